@@ -1,0 +1,1 @@
+"""One module per ``memfit`` subcommand; :mod:`memfit.cli` lists them."""

@@ -1,0 +1,1 @@
+"""Memory accounting: the storage tracker, the CUDA allocator model, the devices."""

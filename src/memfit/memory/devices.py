@@ -1,0 +1,276 @@
+"""Devices behind one interface: a real GPU (``cuda[:i]``), the CPU, or a simulated GPU.
+
+Why one interface: probe, plan, guard and monitor run training steps and read memory
+statistics without caring where. ``sim:SIZE`` runs real tensors on the CPU under a
+:class:`~memfit.memory.tracker.StorageTracker` feeding the CUDA caching-allocator model,
+and raises CUDA's ``torch.OutOfMemoryError`` when modeled reserved memory would pass the
+budget, so the whole of memfit can be exercised (and trusted) on a machine without a GPU.
+
+>>> import torch, memfit
+>>> with memfit.device("sim:64MiB") as gpu:
+...     x = torch.zeros(1024, 1024)  # 4 MiB, served from a 20 MiB segment
+...     gpu.memory_stats()["reserved_bytes.all.current"] // 2**20
+20
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from memfit.errors import DeviceError, MemfitError
+from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
+from memfit.memory.tracker import Labels, StorageTracker
+from memfit.units import format_size, parse_size
+
+__all__ = ["Device", "CudaDevice", "SimDevice", "device", "DEFAULT_SIM_MEMORY", "oom_message"]
+
+DEFAULT_SIM_MEMORY = "8GiB"
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Device(ABC):
+    """Where training steps run and memory is measured."""
+
+    #: the spec string this device was made from ("cuda:0", "sim:8GiB", "cpu")
+    spec: str
+    #: where tensors of this device live
+    torch_device: torch.device
+    #: bytes the workload may reserve, or None for no limit
+    capacity: int | None
+    #: ``device_type`` for ``torch.amp.autocast`` and ``GradScaler``
+    autocast_device_type: str
+    #: True for the simulated GPU and the CPU
+    simulated: bool = False
+
+    def __enter__(self) -> Device:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    @abstractmethod
+    def memory_stats(self) -> dict[str, int]:
+        """Allocator statistics under ``torch.cuda.memory_stats()`` key names."""
+
+    @abstractmethod
+    def reset_peak_memory_stats(self) -> None:
+        """Set the peaks to the current values."""
+
+    def synchronize(self) -> None:
+        """Wait for queued work (so a step's time is its real duration)."""
+
+    def empty_cache(self) -> None:
+        """Return cached, unused memory to the device."""
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count tensors made before the device was entered (the real GPU already does)."""
+
+    def supports(self, precision: str) -> bool:
+        """True when training in ``precision`` works on this device."""
+        return True
+
+    def memory_allocated(self) -> int:
+        return self.memory_stats().get("allocated_bytes.all.current", 0)
+
+    def memory_reserved(self) -> int:
+        return self.memory_stats().get("reserved_bytes.all.current", 0)
+
+    def describe(self) -> str:
+        """One line naming the device and its capacity."""
+        capacity = format_size(self.capacity) if self.capacity else "no limit"
+        return f"{self.spec} ({capacity})"
+
+    def __repr__(self) -> str:
+        return f"<memfit device {self.describe()}>"
+
+
+def oom_message(requested: int, stats: dict[str, Any], capacity: int, label: str) -> str:
+    """CUDA's OOM message, so the simulated GPU's errors read like the real ones."""
+    reserved = stats["reserved_bytes.all.current"]
+    allocated = stats["allocated_bytes.all.current"]
+    return (
+        f"CUDA out of memory. Tried to allocate {format_size(requested)}. "
+        f"GPU 0 ({label}) has a total capacity of {format_size(capacity)} of which "
+        f"{format_size(capacity - reserved)} is free. Of the allocated memory "
+        f"{format_size(allocated)} is allocated by PyTorch, and "
+        f"{format_size(reserved - allocated)} is reserved by PyTorch but unallocated."
+    )
+
+
+class SimDevice(Device):
+    """A GPU simulated on the CPU: real tensors, CUDA's allocator rules, a memory budget.
+
+    ``capacity=None`` gives an unlimited device (``cpu``): the same accounting, no OOM.
+    ``record=True`` keeps every allocation and free in :attr:`events` (for breakdowns).
+    """
+
+    simulated = True
+    autocast_device_type = "cpu"
+
+    def __init__(self, capacity: int | None, spec: str | None = None, *, record: bool = False) -> None:
+        self.capacity = capacity
+        self.spec = spec or (f"sim:{format_size(capacity).replace(' ', '')}" if capacity else "cpu")
+        self.torch_device = torch.device("cpu")
+        self.allocator = CachingAllocatorModel(budget=capacity)
+        self.tracker = StorageTracker(self)
+        self.events: list[tuple[str, int, int, Labels]] | None = [] if record else None
+        self._depth = 0
+
+    # -- StorageListener: the tracker reports here -------------------------------------
+
+    def allocated(self, nbytes: int, labels: Labels) -> int:
+        try:
+            handle = self.allocator.malloc(nbytes)
+        except AllocationFailed as failure:
+            # Raised from inside the failing operation, as CUDA's allocator does.
+            raise torch.OutOfMemoryError(
+                oom_message(failure.requested, failure.stats, failure.budget, f"simulated, {self.spec}")
+            ) from None
+        if self.events is not None:
+            self.events.append(("alloc", handle, nbytes, labels))
+        return handle
+
+    def freed(self, handle: int) -> None:
+        self.allocator.free(handle)
+        if self.events is not None:
+            self.events.append(("free", handle, 0, Labels()))
+
+    # -- Device ------------------------------------------------------------------------
+
+    def __enter__(self) -> SimDevice:
+        if self._depth == 0:
+            self.tracker.__enter__()
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.tracker.__exit__(*exc)
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.tracker.adopt(tensors)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.allocator.stats()
+
+    def reset_peak_memory_stats(self) -> None:
+        self.allocator.reset_peak()
+
+    def empty_cache(self) -> None:
+        self.allocator.empty_cache()
+
+    def supports(self, precision: str) -> bool:
+        return True  # the CPU autocasts to bf16 and fp16
+
+    def describe(self) -> str:
+        if self.capacity is None:
+            return "cpu (no limit; memory counted with the CUDA allocator model)"
+        return f"{self.spec} (simulated GPU, {format_size(self.capacity)})"
+
+
+class CudaDevice(Device):
+    """A real CUDA GPU, optionally capped to emulate a smaller card."""
+
+    autocast_device_type = "cuda"
+
+    def __init__(self, index: int, memory: int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise DeviceError(_no_cuda_reason())
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise DeviceError(f"cuda:{index} does not exist: this machine has {count} GPU(s)")
+        self.spec = f"cuda:{index}"
+        self.torch_device = torch.device("cuda", index)
+        total = torch.cuda.get_device_properties(index).total_memory
+        if memory is not None and memory > total:
+            raise DeviceError(
+                f"--memory {format_size(memory)} is more than {self.spec} has ({format_size(total)})"
+            )
+        self.capacity = memory or total
+        if memory is not None:
+            # The caching allocator then fails like a card of this size would.
+            torch.cuda.set_per_process_memory_fraction(memory / total, index)
+
+    def __enter__(self) -> CudaDevice:
+        self._previous = torch.cuda.current_device()
+        torch.cuda.set_device(self.torch_device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_device(self._previous)
+
+    def memory_stats(self) -> dict[str, int]:
+        return dict(torch.cuda.memory_stats(self.torch_device))
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def supports(self, precision: str) -> bool:
+        if precision == "bf16":
+            return torch.cuda.is_bf16_supported()
+        return True
+
+    def describe(self) -> str:
+        name = torch.cuda.get_device_name(self.torch_device)
+        return f"{self.spec} ({name}, {format_size(self.capacity or 0)})"
+
+
+def _no_cuda_reason() -> str:
+    if torch.version.cuda is None:
+        return (
+            f"CUDA was asked for, but this torch ({torch.__version__}) is a CPU-only build; "
+            "run `memfit doctor`, or use --device sim:8GiB"
+        )
+    return "CUDA was asked for, but no GPU is visible; run `memfit doctor`, or use --device sim:8GiB"
+
+
+_SPEC_RE = re.compile(r"^(?P<kind>cuda|cpu|sim|auto)(?::(?P<arg>.+))?$")
+
+
+def device(spec: str | Device = "auto", *, memory: int | str | None = None) -> Device:
+    """Make a device from a spec: ``cuda``, ``cuda:1``, ``cpu``, ``sim:8GiB`` or ``auto``.
+
+    ``auto`` is the first GPU when there is one, else a simulated GPU of 8 GiB.
+    ``memory`` caps a real GPU (emulating a smaller card) or sizes a ``sim`` device.
+    """
+    if isinstance(spec, Device):
+        return spec
+    text = spec.strip()
+    match = _SPEC_RE.match(text[:4].lower() + text[4:])
+    if match is None:
+        raise DeviceError(f"unknown device {spec!r}: use cuda, cuda:N, cpu, sim:SIZE (such as sim:8GiB) or auto")
+    kind, arg = match.group("kind"), match.group("arg")
+    cap = parse_size(memory) if memory is not None else None
+    if kind == "auto":
+        if arg is not None:
+            raise DeviceError(f"unknown device {spec!r}: 'auto' takes no argument")
+        kind = "cuda" if torch.cuda.is_available() else "sim"
+        arg = None if kind == "cuda" else (arg or DEFAULT_SIM_MEMORY)
+    if kind == "cuda":
+        if arg is not None and not arg.isdigit():
+            raise DeviceError(f"unknown device {spec!r}: the GPU index must be a number (cuda:0)")
+        return CudaDevice(int(arg or 0), cap)
+    if kind == "cpu":
+        if arg is not None:
+            raise DeviceError(f"unknown device {spec!r}: 'cpu' takes no argument")
+        return SimDevice(cap, "cpu") if cap else SimDevice(None)
+    if arg is None and cap is None:
+        raise DeviceError(f"device {spec!r} needs a size, such as sim:8GiB")
+    try:
+        size = cap if cap is not None else parse_size(arg or "")
+    except MemfitError as error:
+        raise DeviceError(f"unknown device {spec!r}: {error}") from None
+    return SimDevice(size, f"sim:{arg}" if arg else None)

@@ -1,0 +1,155 @@
+"""Watch every tensor storage that PyTorch code creates or frees, on real or fake tensors.
+
+Why a dispatch mode: it sees every ATen operation after autograd, in forward, backward
+and the optimizer alike, so the stream of storage allocations and frees it reports is the
+one a GPU's allocator would receive. Frees are observed through weak references on the
+storages, so they arrive exactly when the last tensor (or saved-for-backward reference)
+lets go. The same stream drives the simulated GPU (real tensors on the CPU) and the
+estimator (fake tensors: shapes only, no memory, no arithmetic).
+
+>>> import torch
+>>> events = []
+>>> class Recorder:
+...     def allocated(self, nbytes, labels): events.append(nbytes); return len(events)
+...     def freed(self, handle): pass
+>>> with StorageTracker(Recorder()):
+...     x = torch.ones(256)
+>>> events
+[1024]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["StorageTracker", "StorageListener", "Labels", "current_labels", "labelled"]
+
+
+@dataclass(frozen=True)
+class Labels:
+    """What the program was doing when a storage was allocated."""
+
+    phase: str = "other"  # "forward", "backward", "optimizer", "other"
+    step: int = -1  # optimizer step index, -1 outside a step
+    module: str = ""  # dotted path of the innermost module running its forward
+
+
+_state = threading.local()
+
+
+def current_labels() -> Labels:
+    """The labels set by the innermost :func:`labelled` block on this thread."""
+    return getattr(_state, "labels", Labels())
+
+
+@contextlib.contextmanager
+def labelled(**changes: Any) -> Iterator[None]:
+    """Label the allocations made inside the block (for example ``phase="backward"``).
+
+    Why thread-local: the autograd engine may run backward on its own threads, which keep
+    the label of the thread that set it only when the caller labels the whole backward.
+    """
+    previous = current_labels()
+    _state.labels = Labels(**{**previous.__dict__, **changes})
+    try:
+        yield
+    finally:
+        _state.labels = previous
+
+
+class StorageListener(Protocol):
+    """Receives allocations and frees from a :class:`StorageTracker`."""
+
+    def allocated(self, nbytes: int, labels: Labels) -> int:
+        """Account ``nbytes``; return a handle. May raise to refuse (an OOM)."""
+
+    def freed(self, handle: int) -> None:
+        """The storage behind ``handle`` was freed."""
+
+
+def _storages(values: Any) -> Iterator[torch.UntypedStorage]:
+    for value in tree_flatten(values)[0]:
+        if isinstance(value, torch.Tensor):
+            try:
+                yield value.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+                continue
+
+
+class StorageTracker(TorchDispatchMode):
+    """A dispatch mode that reports each storage's allocation and free to a listener.
+
+    A storage is reported the first time the mode sees it, as an operation's output or
+    input; :meth:`adopt` reports tensors that existed before (parameters, optimizer state)
+    up front. A storage stays tracked until it is freed, across several ``with`` blocks.
+    """
+
+    def __init__(self, listener: StorageListener) -> None:
+        super().__init__()
+        self.listener = listener
+        self._lock = threading.Lock()
+        # id(storage) -> (weak reference, handle, nbytes). The weak reference's callback
+        # removes the entry and reports the free, so an id is never reused while present.
+        self._tracked: dict[int, tuple[weakref.ref, int, int]] = {}
+
+    # -- what the device and the estimator call ----------------------------------------
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Start tracking tensors that already exist (for example a model's parameters)."""
+        for storage in _storages(list(tensors)):
+            self._see(storage)
+
+    @property
+    def tracked_bytes(self) -> int:
+        with self._lock:
+            return sum(nbytes for _, _, nbytes in self._tracked.values())
+
+    def forget_all(self) -> None:
+        """Report every tracked storage as freed (the device is being discarded)."""
+        with self._lock:
+            entries = list(self._tracked.values())
+            self._tracked.clear()
+        for _, handle, _ in entries:
+            self.listener.freed(handle)
+
+    # -- the dispatch mode -------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        for storage in _storages((args, kwargs)):
+            self._see(storage)
+        out = func(*args, **kwargs)
+        for storage in _storages(out):
+            self._see(storage)
+        return out
+
+    def _see(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        nbytes = storage.nbytes()
+        with self._lock:
+            entry = self._tracked.get(key)
+        if entry is not None:
+            if entry[2] == nbytes:
+                return
+            self._forget(key)  # resized in place (resize_, out= kernels): free, then allocate
+        if nbytes == 0:
+            return
+        handle = self.listener.allocated(nbytes, current_labels())  # may raise an OOM
+        ref = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
+        with self._lock:
+            self._tracked[key] = (ref, handle, nbytes)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            entry = self._tracked.pop(key, None)
+        if entry is not None:
+            self.listener.freed(entry[1])

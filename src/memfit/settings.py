@@ -1,0 +1,175 @@
+"""Settings: what memfit may change about a training step, and how each is applied.
+
+- ``precision``: ``fp32``; ``bf16`` or ``fp16`` through ``torch.amp.autocast`` (fp16 with
+  a ``torch.amp.GradScaler``).
+- ``checkpointing``: ``none``, or ``blocks``: the model's repeated blocks recompute their
+  activations in backward (``torch.utils.checkpoint`` with ``use_reentrant=False``; a
+  transformers model through its own ``gradient_checkpointing_enable``).
+- ``micro_batch_size`` and ``accumulation_steps``: one optimizer step sees
+  ``micro_batch_size * accumulation_steps`` samples.
+
+>>> s = Settings(precision="bf16", micro_batch_size=8, accumulation_steps=4)
+>>> s.batch_size
+32
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memfit.errors import MemfitError
+
+__all__ = [
+    "Settings",
+    "PRECISIONS",
+    "CHECKPOINTING",
+    "find_blocks",
+    "enable_checkpointing",
+    "autocast",
+    "make_scaler",
+]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINTING = ("none", "blocks")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs memfit turns. Frozen: change one with :meth:`replace`."""
+
+    precision: str = "fp32"
+    checkpointing: str = "none"
+    micro_batch_size: int | None = None
+    accumulation_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise MemfitError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise MemfitError(
+                f"unknown checkpointing {self.checkpointing!r}: use one of {', '.join(CHECKPOINTING)}"
+            )
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise MemfitError(f"invalid micro-batch size {self.micro_batch_size}: must be at least 1")
+        if self.accumulation_steps < 1:
+            raise MemfitError(f"invalid accumulation steps {self.accumulation_steps}: must be at least 1")
+
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per optimizer step (on one device)."""
+        if self.micro_batch_size is None:
+            return None
+        return self.micro_batch_size * self.accumulation_steps
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- applying the settings in a user's own loop ------------------------------------
+
+    def apply(self, model: nn.Module) -> Callable[[], None]:
+        """Apply checkpointing to ``model``; return a function that undoes it."""
+        if self.checkpointing == "blocks":
+            return enable_checkpointing(model)
+        return lambda: None
+
+    def autocast(self, device_type: str = "cuda") -> contextlib.AbstractContextManager[None]:
+        """The autocast context for forward and loss (a no-op for fp32)."""
+        return autocast(self.precision, device_type)
+
+    def scaler(self, device_type: str = "cuda") -> torch.amp.GradScaler:
+        """A GradScaler, enabled only for fp16."""
+        return make_scaler(self.precision, device_type)
+
+
+def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[None]:
+    """``torch.amp.autocast`` for bf16/fp16; a null context for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.amp.autocast(device_type=device_type, dtype=_DTYPES[precision])
+
+
+def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler:
+    """fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not."""
+    return torch.amp.GradScaler(device_type, enabled=precision == "fp16")
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the children of the ModuleList or Sequential whose
+    children all share one class, and which holds the most parameters.
+
+    Why this rule: transformer layers, ResNet stages and MLP blocks all live in such a
+    container, and checkpointing each of them trades one block's activations for one
+    block's recompute. A container of mixed layers (Linear, ReLU, ...) is not a chain of
+    blocks and is left alone.
+    """
+    best: list[nn.Module] = []
+    best_params = -1
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or any(type(child) is not type(children[0]) for child in children):
+            continue
+        params = sum(p.numel() for child in children for p in child.parameters())
+        if params > best_params:
+            best, best_params = children, params
+    return best
+
+
+def enable_checkpointing(model: nn.Module) -> Callable[[], None]:
+    """Make each repeated block recompute its activations in backward; return an undo.
+
+    A transformers model uses its own ``gradient_checkpointing_enable`` (it knows its
+    blocks and their keyword arguments); any other model gets each block's ``forward``
+    wrapped in non-reentrant ``torch.utils.checkpoint``.
+    """
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(
+        model, "gradient_checkpointing_enable"
+    ):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.gradient_checkpointing_disable
+    blocks = find_blocks(model)
+    if not blocks:
+        raise MemfitError(
+            f"checkpointing=blocks: found no repeated blocks in {type(model).__name__} "
+            "(a ModuleList or Sequential of modules of one class)"
+        )
+    for block in blocks:
+        original = block.forward
+
+        @functools.wraps(original)
+        def checkpointed(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return __original(*args, **kwargs)
+            return checkpoint(__original, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed  # type: ignore[method-assign]
+
+    def undo() -> None:
+        for block in blocks:
+            block.__dict__.pop("forward", None)
+
+    return undo
+
+
+@contextlib.contextmanager
+def applied(settings: Settings, model: nn.Module) -> Iterator[None]:
+    """Apply the settings' checkpointing for the duration of the block."""
+    undo = settings.apply(model)
+    try:
+        yield
+    finally:
+        undo()
