@@ -16,6 +16,7 @@ run needs. Each step runs ``accumulation_steps`` forward/backward passes of
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -63,7 +64,10 @@ def run_steps(
     result = StepRun()
     with device:
         model = workload.build_model()
-        model.to(device.torch_device)
+        if not _is_on(model, device.torch_device):
+            # Why the check: ``Module.to`` swaps every parameter of a fake-tensor model
+            # (the estimator's) and fails; a model already in place needs no move.
+            model.to(device.torch_device)
         device.adopt(list(model.parameters()) + list(model.buffers()))
         was_training = model.training
         model.train()
@@ -113,6 +117,15 @@ def _one_step(
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def _is_on(model: nn.Module, where: torch.device) -> bool:
+    """True when every parameter and buffer of ``model`` already lives on ``where``."""
+    index = where.index if where.index is not None else (0 if where.type == "cuda" else None)
+    return all(
+        t.device.type == where.type and (t.device.index if t.device.index is not None else index) == index
+        for t in itertools.chain(model.parameters(), model.buffers())
+    )
 
 
 @contextmanager

@@ -39,7 +39,7 @@ from torch import nn
 from memfit.errors import WorkloadError
 from memfit.workload import Workload
 
-__all__ = ["ENTRIES", "DEFAULT_WORKLOAD", "build", "parse_options", "names"]
+__all__ = ["ENTRIES", "DEFAULT_WORKLOAD", "TINY", "build", "parse_options", "names"]
 
 #: what every command runs when no workload is given: GPT-2's width and vocabulary with
 #: two layers and 256 tokens, so a few steps take seconds on a laptop CPU.
@@ -51,13 +51,30 @@ def parse_options(text: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if not text.strip():
         return options
-    for item in text.split(","):
+    for item in _split_top_level(text):
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise WorkloadError(f"bad zoo option {item.strip()!r}: write key=value, comma-separated")
         options[key] = _parse_value(value.strip())
     return options
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets, so ``depths=[1,1],image_size=32`` is two options."""
+    items, depth, current = [], 0, []
+    for char in text:
+        if char in "[(":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    items.append("".join(current))
+    return items
 
 
 def _parse_value(value: str) -> Any:
@@ -309,6 +326,20 @@ _TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {"mlp": _mlp, "convnet": _c
 
 #: every zoo name, in the order of the table above
 ENTRIES: tuple[str, ...] = tuple(_TORCH_ENTRIES) + tuple(_HF_ENTRIES)
+
+
+#: every entry at shapes small enough that two steps take a fraction of a second on a CPU
+#: (for tests, doctests and the benchmarks' "small options")
+TINY: dict[str, str] = {
+    "mlp": "mlp:layers=2,width=32,features=16",
+    "convnet": "convnet:blocks=2,channels=8,image_size=16",
+    "gpt2": "gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=16,vocab_size=128",
+    "bert-base": "bert-base:layers=1,hidden=32,heads=2,intermediate=64,seq_len=16,vocab_size=128",
+    "vit-base": "vit-base:layers=1,hidden=32,heads=2,intermediate=64,image_size=32,classes=10",
+    "resnet50": "resnet50:image_size=32,depths=[1,1],hidden_sizes=[16,32],embedding_size=8,classes=10",
+    "llama-1b": "llama-1b:layers=1,hidden=32,heads=2,num_key_value_heads=1,head_dim=16,intermediate=64,vocab_size=128,seq_len=16",
+    "llama-7b": "llama-7b:layers=1,hidden=32,heads=2,num_key_value_heads=2,intermediate=64,vocab_size=128,seq_len=16",
+}
 
 
 def names() -> list[str]:

@@ -1,0 +1,109 @@
+"""The simulated GPU: tracks real tensors, models CUDA's allocator, runs out of memory like it."""
+
+import gc
+
+import pytest
+import torch
+
+import memfit
+from memfit.errors import DeviceError, MemfitError
+from memfit.memory.devices import SimDevice
+
+MiB = 2**20
+
+
+def test_allocations_and_frees_are_tracked():
+    gpu = memfit.device("sim:64MiB")
+    with gpu:
+        x = torch.zeros(256, 1024)  # 1 MiB: small pool
+        assert gpu.memory_allocated() == MiB
+        assert gpu.memory_reserved() == 2 * MiB
+        y = x.view(-1)  # a view shares the storage: nothing new
+        assert gpu.memory_allocated() == MiB
+        del x, y
+        gc.collect()
+        assert gpu.memory_allocated() == 0
+        assert gpu.memory_reserved() == 2 * MiB  # cached, like CUDA
+    gpu.empty_cache()
+    assert gpu.memory_reserved() == 0
+
+
+def test_raises_cudas_oom_past_the_budget():
+    gpu = memfit.device("sim:2MiB")
+    with gpu:
+        a = torch.empty(MiB // 4)  # 1 MiB
+        b = torch.empty(MiB // 4)  # 1 MiB: the 2 MiB segment is full, exactly
+        with pytest.raises(torch.OutOfMemoryError, match=r"^CUDA out of memory\. Tried to allocate 512 B"):
+            torch.empty(1)
+        del a, b
+    stats = gpu.memory_stats()
+    assert stats["num_ooms"] == 1 and stats["num_alloc_retries"] == 1
+    assert memfit.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB"))
+
+
+def test_tensors_made_before_entering_are_counted_when_adopted_or_used():
+    w = torch.zeros(1024, 256)  # 1 MiB, made outside
+    gpu = SimDevice(64 * MiB)
+    with gpu:
+        assert gpu.memory_allocated() == 0
+        _ = w + 1  # w seen as an input: counted, plus the 1 MiB output
+        assert gpu.memory_allocated() == 2 * MiB
+    other = torch.zeros(512)
+    gpu.adopt([other])
+    assert gpu.memory_allocated() == 2 * MiB + 2048
+
+
+def test_autograd_and_optimizer_memory_is_seen():
+    gpu = SimDevice(None)
+    model = torch.nn.Linear(256, 256)
+    with gpu:
+        gpu.adopt(model.parameters())
+        params = gpu.memory_allocated()
+        assert params == (256 * 256 + 256) * 4
+        model(torch.randn(8, 256)).sum().backward()
+        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer.step()
+        # gradients and two AdamW states per parameter, plus one 512 B block per step counter
+        assert gpu.memory_allocated() == 4 * params + 2 * 512
+
+
+def test_budget_resets_between_devices_and_back_to_baseline_after_a_run():
+    wl = memfit.load_workload("mlp:layers=2,width=64,features=32")
+    gpu = memfit.device("sim:256MiB")
+    memfit.run_steps(wl, memfit.Settings(micro_batch_size=16), gpu, steps=2)
+    gc.collect()
+    assert gpu.memory_allocated() == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "capacity"),
+    [("sim:8GiB", SimDevice, 8 * 2**30), ("sim:512MiB", SimDevice, 512 * MiB), ("SIM:1GB", SimDevice, 10**9), ("cpu", SimDevice, None)],
+)
+def test_device_specs(spec, kind, capacity):
+    gpu = memfit.device(spec)
+    assert isinstance(gpu, kind) and gpu.capacity == capacity
+
+
+def test_auto_is_a_simulated_8_gib_gpu_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    gpu = memfit.device("auto")
+    assert gpu.spec == "sim:8GiB" and gpu.capacity == 8 * 2**30
+
+
+@pytest.mark.parametrize("spec", ["tpu", "sim", "sim:lots", "cuda:x", "cpu:3", "auto:1"])
+def test_bad_device_specs(spec):
+    with pytest.raises(DeviceError):
+        memfit.device(spec)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_says_why():
+    with pytest.raises(DeviceError, match="CUDA was asked for"):
+        memfit.device("cuda")
+
+
+def test_sim_sized_by_memory_option():
+    assert memfit.device("sim", memory="1GiB").capacity == 2**30
+    with pytest.raises(MemfitError):
+        memfit.device("sim", memory="1 gigabyte")
