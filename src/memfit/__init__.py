@@ -1,44 +1,99 @@
 """memfit: end "CUDA out of memory" in PyTorch training.
 
+The public API, re-exported from the modules that hold it (imported on first use, so
+``import memfit`` and ``memfit doctor`` stay fast):
+
 >>> import memfit
->>> result = memfit.measure("mlp:layers=2,width=64", batch_size=16, device="sim:1GiB")
->>> result.fits
+>>> memfit.measure("mlp:layers=2,width=64", batch_size=16, device="sim:1GiB").fits
 True
 """
 
+from __future__ import annotations
+
+import importlib
 from importlib.metadata import PackageNotFoundError, version as _version
+from typing import TYPE_CHECKING, Any
 
 try:
     __version__ = _version("memfit")
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0"
 
-from memfit.errors import DeviceError, DoesNotFitError, MemfitError, WorkloadError
-from memfit.measurement import Measurement, measure
-from memfit.memory.devices import CudaDevice, Device, SimDevice, device
-from memfit.oom import is_oom
-from memfit.settings import Settings
-from memfit.training import run_steps
-from memfit.units import format_size, parse_size
-from memfit.workload import Workload, load_workload
+#: public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # foundation
+    "MemfitError": "memfit.errors",
+    "WorkloadError": "memfit.errors",
+    "DeviceError": "memfit.errors",
+    "DoesNotFitError": "memfit.errors",
+    "parse_size": "memfit.units",
+    "format_size": "memfit.units",
+    "is_oom": "memfit.oom",
+    "Workload": "memfit.workload",
+    "load_workload": "memfit.workload",
+    "Settings": "memfit.settings",
+    "Device": "memfit.memory.devices",
+    "SimDevice": "memfit.memory.devices",
+    "CudaDevice": "memfit.memory.devices",
+    "device": "memfit.memory.devices",
+    "run_steps": "memfit.training",
+    "measure": "memfit.measurement",
+    "Measurement": "memfit.measurement",
+    # doctor and env
+    "diagnose": "memfit.doctor",
+    "Diagnosis": "memfit.doctor",
+    "Finding": "memfit.doctor",
+    "TrainingHints": "memfit.doctor",
+    "fingerprint": "memfit.envfile",
+    "Fingerprint": "memfit.envfile",
+    "Difference": "memfit.envfile",
+    "compare": "memfit.envfile",
+    "check_environment": "memfit.envfile",
+    "export_environment": "memfit.envfile",
+    "load_fingerprint": "memfit.envfile",
+    # plan and lock
+    "plan": "memfit.planning",
+    "Plan": "memfit.planning",
+    "Lock": "memfit.lockfile",
+    "load_lock": "memfit.lockfile",
+    "write_lock": "memfit.lockfile",
+    "check_lock": "memfit.lockfile",
+}
 
-__all__ = [
-    "__version__",
-    "CudaDevice",
-    "Device",
-    "DeviceError",
-    "DoesNotFitError",
-    "MemfitError",
-    "Measurement",
-    "Settings",
-    "SimDevice",
-    "Workload",
-    "WorkloadError",
-    "device",
-    "format_size",
-    "is_oom",
-    "load_workload",
-    "measure",
-    "parse_size",
-    "run_steps",
-]
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from memfit.doctor import Diagnosis, Finding, TrainingHints, diagnose
+    from memfit.envfile import (
+        Difference,
+        Fingerprint,
+        check_environment,
+        compare,
+        export_environment,
+        fingerprint,
+        load_fingerprint,
+    )
+    from memfit.errors import DeviceError, DoesNotFitError, MemfitError, WorkloadError
+    from memfit.lockfile import Lock, check_lock, load_lock, write_lock
+    from memfit.measurement import Measurement, measure
+    from memfit.memory.devices import CudaDevice, Device, SimDevice, device
+    from memfit.oom import is_oom
+    from memfit.planning import Plan, plan
+    from memfit.settings import Settings
+    from memfit.training import run_steps
+    from memfit.units import format_size, parse_size
+    from memfit.workload import Workload, load_workload

@@ -1,8 +1,9 @@
 """The ``memfit`` command line: a thin layer over the Python API.
 
-Every command lives in its own module under :mod:`memfit.commands`, which defines
-``command`` (a click command); each such module is registered here (``COMMANDS``). Every command takes ``--json``. A user error (a :class:`MemfitError`
-or a bad option) prints one line ``memfit: error: ...`` and exits with status 2.
+Every command lives in its own module under :mod:`memfit.commands` (``memfit probe`` in
+``commands/probe.py``), which defines ``command``; ``COMMANDS`` maps names to modules.
+Every command takes ``--json``. A user error (a :class:`MemfitError` or a bad option)
+prints one line ``memfit: error: ...`` and exits with status 2.
 """
 
 from __future__ import annotations
@@ -16,33 +17,48 @@ import click
 from memfit import __version__
 from memfit.errors import MemfitError
 
-__all__ = ["main", "cli", "COMMANDS"]
+__all__ = ["main", "cli", "COMMANDS", "entry_point"]
 
-def _command_modules() -> tuple[str, ...]:
-    """Names of the modules under memfit.commands that define a ``command``."""
+#: modules under memfit.commands that hold shared code, not a command
+_HELPER_MODULES = {"options"}
+
+
+def _command_modules() -> dict[str, str]:
+    """Command name -> module name, for every module under memfit.commands except helpers."""
     import memfit.commands
 
-    names = []
-    for info in pkgutil.iter_modules(memfit.commands.__path__):
-        module = importlib.import_module(f"memfit.commands.{info.name}")
-        if hasattr(module, "command"):
-            names.append(info.name)
-    return tuple(sorted(names))
+    return {
+        info.name.replace("_", "-"): info.name
+        for info in pkgutil.iter_modules(memfit.commands.__path__)
+        if not info.name.startswith("_") and info.name not in _HELPER_MODULES
+    }
 
 
-#: modules under memfit.commands that define ``command`` (a click command)
-COMMANDS: tuple[str, ...] = _command_modules()
+#: command name -> module under memfit.commands that defines ``command``
+COMMANDS: dict[str, str] = _command_modules()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """Imports a command's module only when that command runs (or help lists it).
+
+    Why: ``memfit doctor`` should answer fast and not import torch for nothing.
+    """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return None
+        return importlib.import_module(f"memfit.commands.{module}").command
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="memfit")
 def cli() -> None:
-    """memfit ends "CUDA out of memory": measure, estimate, probe, plan and guard
-    the memory of PyTorch training."""
-
-
-for _name in COMMANDS:
-    cli.add_command(importlib.import_module(f"memfit.commands.{_name}").command)
+    """memfit ends "CUDA out of memory": doctor, estimate, probe, plan, guard, monitor
+    and lock the memory of PyTorch training."""
 
 
 def main(argv: list[str] | None = None) -> int:

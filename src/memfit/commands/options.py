@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
 
-from memfit.settings import CHECKPOINTING, PRECISIONS, Settings
 from memfit.units import parse_size
-from memfit.zoo import DEFAULT_WORKLOAD
+
+if TYPE_CHECKING:
+    from memfit.settings import Settings
+
+# memfit.settings and memfit.zoo import torch: they are imported inside the decorators
+# that need them, so commands that do not (doctor, env, check) start fast.
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -22,6 +26,8 @@ err_console = Console(stderr=True, highlight=False)
 
 def workload_argument(function: F) -> F:
     """WORKLOAD: a zoo name with options, file.py:function or module:function."""
+    from memfit.zoo import DEFAULT_WORKLOAD
+
     return click.argument("workload", metavar="[WORKLOAD]", required=False, default=DEFAULT_WORKLOAD)(function)
 
 
@@ -37,6 +43,8 @@ def device_options(function: F) -> F:
 
 
 def settings_options(function: F) -> F:
+    from memfit.settings import CHECKPOINTING, PRECISIONS
+
     function = click.option(
         "--checkpointing", type=click.Choice(CHECKPOINTING), default="none", show_default=True,
         help="Recompute the model's repeated blocks in backward.",
@@ -52,6 +60,8 @@ def json_option(function: F) -> F:
 
 
 def make_settings(precision: str, checkpointing: str, **extra: Any) -> Settings:
+    from memfit.settings import Settings
+
     return Settings(precision=precision, checkpointing=checkpointing, **extra)
 
 

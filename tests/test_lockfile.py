@@ -1,0 +1,136 @@
+"""memfit.lock: round trip, apply, check, atomic writing, and every bad-lock case."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import memfit
+from memfit.envfile import Fingerprint, GpuFingerprint
+from memfit.errors import MemfitError
+from memfit.lockfile import Lock, Measured, check_lock, load_lock, write_lock
+from memfit.settings import Settings
+
+HERE = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.13.0+cpu", gpus=())
+A100 = GpuFingerprint("NVIDIA A100-SXM4-80GB", 85_000_000_000, "8.0")
+
+
+def make_lock(**changes) -> Lock:
+    fields = dict(
+        workload="mlp:layers=4,width=64,features=32",
+        settings=Settings(precision="bf16", checkpointing="blocks", micro_batch_size=8, accumulation_steps=4),
+        target_batch_size=32,
+        environment=HERE,
+        measured=Measured(device="sim:8GiB", capacity=8 * 2**30, peak_allocated=123, peak_reserved=456,
+                          samples_per_second=78.5, headroom=0.05, max_batch_size=64),
+    )
+    fields.update(changes)
+    return Lock(**fields)
+
+
+def test_round_trip(tmp_path):
+    lock = make_lock(environment=Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.5.1+cu124",
+                                             torch_cuda="12.4", driver="550.54", gpus=(A100,)))
+    path = write_lock(lock, tmp_path / "memfit.lock")
+    loaded = load_lock(path)
+    assert loaded.settings == lock.settings
+    assert (loaded.workload, loaded.target_batch_size, loaded.world_size) == (lock.workload, 32, 1)
+    assert loaded.measured == lock.measured
+    assert loaded.environment == lock.environment
+    assert (loaded.micro_batch_size, loaded.accumulation_steps) == (8, 4)
+    assert 'schema = "memfit.lock"' in path.read_text()
+
+
+def test_apply_gives_the_users_loop_what_it_needs(tmp_path):
+    lock = load_lock(write_lock(make_lock(), tmp_path / "memfit.lock"))
+    model = memfit.load_workload(lock.workload).build_model()
+    plain = sum(1 for m in model.modules() if "forward" in m.__dict__)
+    undo = lock.settings.apply(model)
+    assert sum(1 for m in model.modules() if "forward" in m.__dict__) == plain + 4  # four checkpointed blocks
+    with lock.settings.autocast("cpu"):
+        out = model(torch.randn(2, 32))
+    assert out.dtype == torch.bfloat16
+    assert not lock.settings.scaler("cpu").is_enabled()  # bf16 needs no loss scaling
+    undo()
+    assert sum(1 for m in model.modules() if "forward" in m.__dict__) == plain
+
+
+def test_check_same_environment_has_no_difference(tmp_path):
+    path = write_lock(make_lock(), tmp_path / "memfit.lock")
+    result = check_lock(path, current=HERE)
+    assert result.differences == [] and not result.matters
+
+
+def test_check_reports_a_changed_gpu_and_suggests_probing(tmp_path):
+    old = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.5.1+cu124", torch_cuda="12.4", gpus=(A100,))
+    new = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.5.1+cu124", torch_cuda="12.4",
+                      gpus=(GpuFingerprint("NVIDIA GeForce RTX 3090", 25_000_000_000, "8.6"),))
+    path = write_lock(make_lock(environment=old), tmp_path / "memfit.lock")
+    result = check_lock(path, current=new)
+    assert result.matters and result.gpu_changed
+    assert any("memfit probe" in note for note in result.advice())
+
+
+def test_check_reports_a_changed_torch(tmp_path):
+    path = write_lock(make_lock(), tmp_path / "memfit.lock")
+    result = check_lock(path, current=Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.14.0+cpu"))
+    assert [d.field for d in result.differences] == ["torch"] and result.matters
+
+
+def test_writing_is_atomic(tmp_path, monkeypatch):
+    path = write_lock(make_lock(), tmp_path / "memfit.lock")
+    before = path.read_text()
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_lock(make_lock(target_batch_size=64), path)
+    assert path.read_text() == before  # the old lock is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["memfit.lock"]  # no temp file left
+
+
+BAD_LOCKS = {
+    "corrupt": ("schema = [unclosed", "not a valid memfit.lock"),
+    "foreign": ('schema = "something.else"\nschema_version = 1\n', "is not a memfit.lock"),
+    "newer": ('schema = "memfit.lock"\nschema_version = 99\n', "newer than this memfit reads"),
+    "damaged": ('schema = "memfit.lock"\nschema_version = 1\n[workload]\nref = "mlp"\n', "damaged memfit.lock"),
+    "bad settings": ('schema = "memfit.lock"\nschema_version = 1\n[workload]\nref = "mlp"\n[settings]\nprecision = "fp8"\nmicro_batch_size = 2\n'
+                     '[target]\nbatch_size = 2\n[environment]\nschema = "memfit.environment"\nschema_version = 1\npython = "3.11"\nos = "Linux"\n',
+                     "unknown precision 'fp8'"),
+    "binary": (b"\xff\xfe\x00garbage", "not a valid memfit.lock"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LOCKS)
+def test_bad_locks_are_one_line_errors(tmp_path, case, run_cli):
+    content, message = BAD_LOCKS[case]
+    path = tmp_path / "memfit.lock"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(MemfitError, match=message):
+        load_lock(path)
+    status, out, err = run_cli("check", str(path))
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_missing_lock(tmp_path, run_cli):
+    status, _, err = run_cli("check", str(tmp_path / "memfit.lock"))
+    assert status == 2 and "not found" in err and "memfit fit" in err
+
+
+def test_check_cli_exit_status(tmp_path, run_cli):
+    from memfit.envfile import fingerprint
+
+    here = fingerprint()
+    same = write_lock(make_lock(environment=here), tmp_path / "same.lock")
+    status, out, _ = run_cli("check", str(same))
+    assert status == 0 and "matches" in out
+    other = Fingerprint(python=here.python, os=here.os, os_release=here.os_release, torch="1.0.0",
+                        torch_cuda=here.torch_cuda, cudnn=here.cudnn, driver=here.driver, cuda_driver=here.cuda_driver, gpus=here.gpus)
+    changed = write_lock(make_lock(environment=other), tmp_path / "changed.lock")
+    status, out, _ = run_cli("check", str(changed))
+    assert status == 1 and "torch" in out
