@@ -203,7 +203,7 @@ def test_report_command_renders_the_png_and_a_self_contained_html(tmp_path, leak
 
     page = read_page(output)
     assert page.external == [] and page.scripts == 0  # no CDN, nothing fetched
-    assert len(page.images) == 3  # the timeline, the probe's and the estimate's figures
+    assert len(page.images) == 4  # the timeline, the probe's, the estimate's and the plan's figures
     assert all(src.startswith("data:image/png;base64,") for src in page.images)
     figures = [base64.b64decode(src.split(",", 1)[1]) for src in page.images]
     assert all(figure.startswith(PNG_SIGNATURE) for figure in figures)

@@ -42,7 +42,6 @@ _EXPORTS: dict[str, str] = {
     # doctor and env
     "diagnose": "memfit.doctor",
     "Diagnosis": "memfit.doctor",
-    "Finding": "memfit.doctor",
     "TrainingHints": "memfit.doctor",
     "fingerprint": "memfit.envfile",
     "Fingerprint": "memfit.envfile",
@@ -51,7 +50,23 @@ _EXPORTS: dict[str, str] = {
     "check_environment": "memfit.envfile",
     "export_environment": "memfit.envfile",
     "load_fingerprint": "memfit.envfile",
-    # plan and lock
+    # estimate, probe, guard
+    "estimate": "memfit.estimation",
+    "Estimate": "memfit.estimation",
+    "probe": "memfit.probing",
+    "ProbeResult": "memfit.probing",
+    "Guard": "memfit.guard",
+    # monitor and reports
+    "Monitor": "memfit.monitor",
+    "RecordedRun": "memfit.monitor",
+    "read_run": "memfit.monitor",
+    "analyze_steps": "memfit.findings",
+    "write_report": "memfit.report",
+    "ReportFiles": "memfit.report",
+    "to_html": "memfit.report",
+    # plan, fit and lock
+    "fit": "memfit.fitting",
+    "FitResult": "memfit.fitting",
     "plan": "memfit.planning",
     "Plan": "memfit.planning",
     "Lock": "memfit.lockfile",
@@ -77,7 +92,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from memfit.doctor import Diagnosis, Finding, TrainingHints, diagnose
+    from memfit.doctor import Diagnosis, TrainingHints, diagnose
     from memfit.envfile import (
         Difference,
         Fingerprint,
@@ -87,6 +102,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         fingerprint,
         load_fingerprint,
     )
+    from memfit.estimation import Estimate, estimate
+    from memfit.findings import analyze_steps
+    from memfit.fitting import FitResult, fit
+    from memfit.guard import Guard
+    from memfit.monitor import Monitor, RecordedRun, read_run
+    from memfit.probing import ProbeResult, probe
+    from memfit.report import ReportFiles, to_html, write_report
     from memfit.errors import DeviceError, DoesNotFitError, MemfitError, WorkloadError
     from memfit.lockfile import Lock, check_lock, load_lock, write_lock
     from memfit.measurement import Measurement, measure

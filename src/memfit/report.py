@@ -42,6 +42,9 @@ __all__ = [
     "probe_png",
     "estimate_png",
     "report_html",
+    "results_html",
+    "plan_png",
+    "write_results_report",
     "monitor_html",
     "findings_html",
     "load_result",
@@ -429,23 +432,124 @@ def report_html(
         "<h2>Run</h2>",
         to_html(run.summary()),
     ]
-    if probe is not None:
-        parts.append("<h2>Probe</h2>")
-        figure = probe_png(probe)
-        if figure is not None:
-            parts.append(_img(figure, "probe: peak memory per batch size"))
-        parts.append(_probe_html(probe))
-    if estimate is not None:
-        parts.append("<h2>Estimate</h2>")
-        figure = estimate_png(estimate)
-        if figure is not None:
-            parts.append(_img(figure, "estimate: memory by category"))
-        parts.append(to_html(estimate))
-    if plan is not None:
-        parts.append("<h2>Plan</h2>")
-        parts.append(_plan_html(plan))
+    parts.extend(results_html(probe=probe, estimate=estimate, plan=plan))
     parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def results_html(
+    *,
+    doctor: Mapping[str, Any] | None = None,
+    probe: Mapping[str, Any] | None = None,
+    estimate: Mapping[str, Any] | None = None,
+    plan: Mapping[str, Any] | None = None,
+    figures: dict[str, bytes] | None = None,
+) -> list[str]:
+    """The page sections for whichever results are given, each with its figure.
+
+    ``figures`` (name -> PNG), when given, receives the figures drawn, so a caller can
+    also write them as files beside the page.
+    """
+    figures = figures if figures is not None else {}
+    parts: list[str] = []
+    if doctor is not None:
+        parts.append("<h2>Environment (memfit doctor)</h2>")
+        rows = [
+            {"severity": f.get("severity"), "check": f.get("check"), "finding": f.get("message"), "fix": f.get("fix") or ""}
+            for f in doctor.get("findings", [])
+            if isinstance(f, Mapping)
+        ]
+        parts.append(html_table(rows) if rows else '<p class="ok">No findings.</p>')
+    sections = (
+        ("probe", "Probe", probe, probe_png, _probe_html),
+        ("estimate", "Estimate", estimate, estimate_png, to_html),
+        ("plan", "Plan", plan, plan_png, _plan_html),
+    )
+    for name, heading, result, draw, render in sections:
+        if result is None:
+            continue
+        parts.append(f"<h2>{heading}</h2>")
+        figure = draw(result)
+        if figure is not None:
+            figures[name] = figure
+            parts.append(_img(figure, f"{name} figure"))
+        parts.append(render(result))
+    return parts
+
+
+def plan_png(plan: Mapping[str, Any]) -> bytes | None:
+    """Peak reserved memory against samples/s for each measured candidate: the Pareto
+    front joined, the recommendation starred, the capacity dashed. None without data."""
+    measured = [
+        c for c in plan.get("candidates") or []
+        if isinstance(c, Mapping) and c.get("fits") and isinstance(c.get("peak_reserved"), int)
+        and isinstance(c.get("samples_per_second"), (int, float))
+    ]
+    if not measured:
+        return None
+    capacity = plan.get("capacity") if isinstance(plan.get("capacity"), int) else None
+    unit, size = _unit(max([c["peak_reserved"] for c in measured] + [capacity or 0]))
+    figure = _figure(9.0, 4.2)
+    axes = figure.subplots()
+    axes.set_title(f"memfit plan · target batch {plan.get('target_batch_size', '?')}", loc="left", fontsize=11)
+    markers = {"fp32": "o", "bf16": "s", "fp16": "^"}
+    for precision, marker in markers.items():
+        for checkpointing, fill in (("none", "#0969da"), ("blocks", "none")):
+            group = [c for c in measured if c.get("precision") == precision and c.get("checkpointing") == checkpointing]
+            if group:
+                axes.scatter([c["peak_reserved"] / size for c in group], [c["samples_per_second"] for c in group],
+                             marker=marker, s=55, facecolors=fill, edgecolors="#0969da",
+                             label=f"{precision}" + (", checkpointing" if checkpointing == "blocks" else ""))
+    for c in measured:
+        axes.annotate(f"{c.get('micro_batch_size')}×{c.get('accumulation_steps')}",
+                      (c["peak_reserved"] / size, c["samples_per_second"]),
+                      textcoords="offset points", xytext=(5, 4), fontsize=8)
+    front = [c for c in plan.get("pareto") or [] if isinstance(c, Mapping) and c.get("samples_per_second")]
+    if len(front) > 1:
+        axes.plot([c["peak_reserved"] / size for c in front], [c["samples_per_second"] for c in front],
+                  color="#9a6700", linewidth=1, label="Pareto front")
+    best = plan.get("recommended")
+    if isinstance(best, Mapping) and best.get("samples_per_second"):
+        axes.scatter([best["peak_reserved"] / size], [best["samples_per_second"]], marker="*", s=260,
+                     color="#cf222e", zorder=5, label="recommended")
+    if capacity:
+        axes.axvline(capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}")
+    axes.set_xlabel(f"peak reserved ({unit})")
+    axes.set_ylabel("samples/s")
+    axes.set_xlim(left=0)
+    axes.set_ylim(bottom=0)
+    axes.grid(True, alpha=0.3)
+    axes.legend(**_LEGEND_OUTSIDE)
+    return _png(figure)
+
+
+def write_results_report(
+    output: str | os.PathLike[str],
+    *,
+    title: str = "memfit report",
+    doctor: Mapping[str, Any] | None = None,
+    probe: Mapping[str, Any] | None = None,
+    estimate: Mapping[str, Any] | None = None,
+    plan: Mapping[str, Any] | None = None,
+) -> Path:
+    """A report of results without a monitored run (what ``memfit fit`` writes): the HTML
+    page, and each figure also as a PNG beside it (``report-probe.png``, ...)."""
+    figures: dict[str, bytes] = {}
+    body = results_html(doctor=doctor, probe=probe, estimate=estimate, plan=plan, figures=figures)
+    page = "\n".join([
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        *body,
+        "</body></html>\n",
+    ])
+    html_path = Path(output)
+    for name, png in figures.items():
+        write_atomically(html_path.with_name(f"{html_path.stem}-{name}.png"), png)
+    write_atomically(html_path, page.encode("utf-8"))
+    return html_path
 
 
 # -- files -----------------------------------------------------------------------------

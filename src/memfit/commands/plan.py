@@ -60,13 +60,24 @@ def command(
         progress=None if as_json else progress,
     )
     if plot:
-        from memfit.plots import plan_figure
-
-        plan_figure(result, plot)
+        write_plot(result, plot)
     if as_json:
         print_json(result.to_dict())
         return
     print_plan(result)
+
+
+def write_plot(result: Plan, path: str) -> None:
+    """The plan's figure as a PNG (written atomically), or a one-line error without data."""
+    from pathlib import Path
+
+    from memfit.errors import MemfitError
+    from memfit.report import plan_png, write_atomically
+
+    png = plan_png(result.to_dict())
+    if png is None:
+        raise MemfitError("no candidate was measured: nothing to plot")
+    write_atomically(Path(path), png)
 
 
 def print_plan(result: Plan) -> None:

@@ -1,0 +1,44 @@
+"""memfit fit: doctor, estimate, probe, plan, then the lock and the report."""
+
+from __future__ import annotations
+
+import json
+
+import memfit
+from memfit.lockfile import load_lock
+
+TINY = "mlp:layers=2,width=32,features=16"
+
+
+def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
+    result = memfit.fit(TINY, "sim:16MiB", target_batch_size=96, lock_path=tmp_path / "memfit.lock",
+                        report_dir=tmp_path / "report", run_doctor=False)
+    lock = load_lock(tmp_path / "memfit.lock")
+    assert lock.settings == result.plan.recommended.settings
+    assert lock.settings.batch_size == 96 and lock.target_batch_size == 96
+    assert lock.measured.max_batch_size == result.probe.max_batch_size
+    assert lock.measured.device == "sim:16MiB" and lock.measured.capacity == 16 * 2**20
+    # the estimate was probe's starting point, and on sim it is exact
+    assert result.estimate.max_batch_size == result.probe.max_batch_size
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3  # probe, estimate and plan figures, embedded
+    assert "Plan" in page and "Probe" in page and "Estimate" in page
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
+        "report-estimate.png", "report-plan.png", "report-probe.png", "report.html"]
+
+
+def test_fit_command_default_target_and_json(tmp_path, run_cli):
+    status, out, err = run_cli("fit", TINY, "--device", "sim:8MiB", "--lock", str(tmp_path / "m.lock"),
+                               "--report-dir", str(tmp_path / "r"), "--json")
+    assert status == 0, err
+    data = json.loads(out)
+    assert data["plan"]["target_batch_size"] == data["probe"]["recommended_batch_size"]
+    assert data["doctor"]["exit_status"] == 0
+    assert load_lock(tmp_path / "m.lock").target_batch_size == data["plan"]["target_batch_size"]
+
+
+def test_fit_bad_input_writes_nothing(tmp_path, run_cli):
+    status, out, err = run_cli("fit", "gtp2", "--device", "sim:8MiB", "--lock", str(tmp_path / "m.lock"),
+                               "--report-dir", str(tmp_path / "r"))
+    assert status == 2 and len(err.strip().splitlines()) == 1 and "unknown workload" in err
+    assert list(tmp_path.iterdir()) == []
