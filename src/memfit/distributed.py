@@ -12,11 +12,23 @@ for this process alone, so single-GPU code needs no special case.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["is_distributed", "rank", "world_size", "is_main_process", "agree_min", "agree_max", "any_rank"]
+__all__ = [
+    "is_distributed",
+    "rank",
+    "world_size",
+    "is_main_process",
+    "agree_min",
+    "agree_max",
+    "any_rank",
+    "agree_min_each",
+    "average_across_ranks_",
+    "broadcast_from_main_",
+]
 
 
 def is_distributed() -> bool:
@@ -69,3 +81,68 @@ def agree_max(value: int) -> int:
 def any_rank(flag: bool) -> bool:
     """True when the flag is set on at least one rank (for example "I ran out of memory")."""
     return bool(agree_max(int(flag)))
+
+
+def agree_min_each(values: Sequence[int]) -> list[int]:
+    """The element-wise minimum of several ints over all ranks, in one all-reduce.
+
+    Why one call: the guard decides several things at once after each attempt (did anyone
+    run out of memory, at which size, on which rank, which gradients exist anywhere); one
+    collective keeps it cheap and keeps every rank in the same sequence of collectives.
+    A maximum is the negated minimum of the negated values.
+    """
+    if not is_distributed():
+        return [int(value) for value in values]
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=_reduce_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return [int(value) for value in tensor.tolist()]
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype and device, about ``bucket_bytes`` per group."""
+    groups: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        same_kind = groups and groups[-1][0].dtype == tensor.dtype and groups[-1][0].device == tensor.device
+        if not same_kind or size + nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += nbytes
+    return groups
+
+
+def average_across_ranks_(tensors: Sequence[torch.Tensor], bucket_bytes: int = 25 * 2**20) -> None:
+    """Replace each tensor, in place, by its mean over all ranks (DDP's gradient all-reduce, by hand).
+
+    Why by hand: DDP all-reduces inside backward, so a rank that runs out of memory in
+    backward leaves the others waiting in a collective forever. The guard accumulates
+    gradients locally and averages them here, once, after every rank finished. Like DDP,
+    each tensor is divided by the world size and then summed, in buckets of about
+    ``bucket_bytes`` (a flat copy per bucket), so a few large collectives replace many
+    small ones. Every rank must pass tensors of the same shapes in the same order.
+    """
+    if not is_distributed():
+        return
+    count = world_size()
+    for group in _buckets(tensors, bucket_bytes):
+        if len(group) == 1 and group[0].is_contiguous():
+            group[0].div_(count)
+            dist.all_reduce(group[0])
+            continue
+        flat = torch.cat([tensor.reshape(-1) for tensor in group])
+        flat.div_(count)
+        dist.all_reduce(flat)
+        offset = 0
+        for tensor in group:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def broadcast_from_main_(tensors: Sequence[torch.Tensor]) -> None:
+    """Overwrite each tensor, in place, with rank 0's values (DDP's buffer broadcast, by hand)."""
+    if not is_distributed():
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor, src=0)

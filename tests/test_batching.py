@@ -1,0 +1,169 @@
+"""memfit.batching: counting samples, splitting along dimension 0, joining outputs back."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from memfit.batching import chunk_sizes, concat_outputs, count_samples, slice_batch, split_batch
+from memfit.errors import MemfitError
+
+
+class Pair(NamedTuple):
+    inputs: torch.Tensor
+    targets: torch.Tensor
+
+
+@dataclasses.dataclass
+class Sample:
+    image: torch.Tensor
+    label: torch.Tensor
+    source: str = "disk"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSample:
+    image: torch.Tensor
+    extra: dict[str, torch.Tensor]
+
+
+def _rows(n: int, width: int = 3) -> torch.Tensor:
+    return torch.arange(n * width, dtype=torch.float32).reshape(n, width)
+
+
+@pytest.mark.parametrize(
+    ("samples", "size", "expected"),
+    [(10, 4, [4, 4, 2]), (8, 4, [4, 4]), (1, 1, [1]), (3, 8, [3]), (7, 1, [1] * 7), (5, 5, [5])],
+)
+def test_chunk_sizes(samples: int, size: int, expected: list[int]) -> None:
+    assert chunk_sizes(samples, size) == expected
+
+
+@pytest.mark.parametrize(("samples", "size"), [(0, 2), (4, 0), (-1, 1)])
+def test_chunk_sizes_rejects_nonsense(samples: int, size: int) -> None:
+    with pytest.raises(MemfitError):
+        chunk_sizes(samples, size)
+
+
+BATCHES: dict[str, Any] = {
+    "tensor": _rows(5),
+    "tuple": (_rows(5), torch.arange(5)),
+    "list": [_rows(5), torch.arange(5)],
+    "dict": {"x": _rows(5), "y": torch.arange(5), "tag": "train"},
+    "ordered": collections.OrderedDict(x=_rows(5), y=torch.arange(5)),
+    "namedtuple": Pair(_rows(5), torch.arange(5)),
+    "dataclass": Sample(_rows(5), torch.arange(5)),
+    "frozen-nested": FrozenSample(_rows(5), {"mask": torch.ones(5, 2), "ids": [torch.arange(5)]}),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_count_samples(name: str) -> None:
+    assert count_samples(BATCHES[name]) == 5
+
+
+@pytest.mark.parametrize("name", list(BATCHES))
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 9])
+def test_split_keeps_type_and_every_sample_once(name: str, size: int) -> None:
+    batch = BATCHES[name]
+    micro_batches = split_batch(batch, size)
+    assert [count_samples(m) for m in micro_batches] == chunk_sizes(5, size)
+    assert all(type(m) is type(batch) for m in micro_batches)
+    joined = concat_outputs(micro_batches)
+    assert type(joined) is type(batch)
+    original = _flat(batch)
+    rebuilt = _flat(joined)
+    assert len(original) == len(rebuilt)
+    for a, b in zip(original, rebuilt):
+        assert torch.equal(a, b)
+
+
+def _flat(value: Any) -> list[torch.Tensor]:
+    from memfit.batching import _tensor_leaves
+
+    return [tensor for _, tensor in _tensor_leaves(value)]
+
+
+def test_split_returns_views_not_copies() -> None:
+    batch = _rows(6)
+    first = split_batch(batch, 4)[0]
+    assert first.data_ptr() == batch.data_ptr()
+
+
+def test_non_tensor_leaves_are_copied_into_every_micro_batch() -> None:
+    micro_batches = split_batch({"x": _rows(4), "tag": "train", "n": 7, "none": None}, 3)
+    assert [(m["tag"], m["n"], m["none"]) for m in micro_batches] == [("train", 7, None)] * 2
+
+
+def test_defaultdict_keeps_its_factory() -> None:
+    batch = collections.defaultdict(list, x=_rows(4))
+    micro = split_batch(batch, 2)[0]
+    assert isinstance(micro, collections.defaultdict) and micro.default_factory is list
+
+
+def test_transformers_batch_encoding_splits() -> None:
+    from transformers import BatchEncoding
+
+    batch = BatchEncoding({"input_ids": torch.ones(4, 6, dtype=torch.long), "attention_mask": torch.ones(4, 6)})
+    micro = split_batch(batch, 3)
+    assert [type(m) for m in micro] == [BatchEncoding, BatchEncoding]
+    assert [m["input_ids"].shape[0] for m in micro] == [3, 1]
+
+
+@pytest.mark.parametrize("start, stop", [(0, 2), (1, 4), (3, 5)])
+def test_slice_batch(start: int, stop: int) -> None:
+    batch = {"x": _rows(5), "y": torch.arange(5)}
+    part = slice_batch(batch, start, stop)
+    assert part["y"].tolist() == list(range(start, stop))
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ({"x": torch.zeros(8, 2), "mask": torch.zeros(4, 2)}, "batch['x'] has 8, batch['mask'] has 4"),
+        ((torch.zeros(3), torch.zeros(5)), "batch[0] has 3, batch[1] has 5"),
+        (Sample(torch.zeros(2, 1), torch.zeros(6)), "batch.image has 2, batch.label has 6"),
+        ({"x": torch.zeros(3), "n": torch.tensor(3)}, "batch['n'] is a 0-dimensional tensor"),
+        ({"text": ["a", "b"]}, "found no tensors"),
+    ],
+)
+def test_unsplittable_batches_name_the_problem(batch: Any, message: str) -> None:
+    with pytest.raises(MemfitError, match="pass split=") as caught:
+        count_samples(batch)
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_concat_outputs_of_model_outputs() -> None:
+    from transformers.modeling_outputs import CausalLMOutput
+
+    outs = [CausalLMOutput(loss=torch.tensor(float(i)), logits=torch.full((2, 3), float(i))) for i in range(3)]
+    joined = concat_outputs(outs)
+    assert isinstance(joined, CausalLMOutput)
+    assert joined.logits.shape == (6, 3)
+    assert joined.loss.tolist() == [0.0, 1.0, 2.0]  # one 0-d value per micro-batch, stacked
+
+
+@pytest.mark.parametrize(
+    ("outputs", "expected"),
+    [
+        ([{"n": 3, "x": torch.ones(1)}, {"n": 3, "x": torch.ones(2)}], {"n": 3}),
+        ([{"n": 1, "x": torch.ones(1)}, {"n": 2, "x": torch.ones(2)}], {"n": [1, 2]}),
+        ([{"n": None, "x": torch.ones(1)}, {"n": None, "x": torch.ones(2)}], {"n": None}),
+    ],
+)
+def test_concat_outputs_non_tensor_leaves(outputs: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    joined = concat_outputs(outputs)
+    assert joined["n"] == expected["n"]
+    assert joined["x"].shape == (3,)
+
+
+def test_concat_outputs_rejects_mismatched_structures() -> None:
+    with pytest.raises(MemfitError, match="cannot concatenate"):
+        concat_outputs([{"a": torch.ones(1)}, {"b": torch.ones(1)}])
+    with pytest.raises(MemfitError, match="no outputs"):
+        concat_outputs([])

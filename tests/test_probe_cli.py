@@ -1,0 +1,70 @@
+"""`memfit probe` on the command line: JSON, table, plot, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+FAST = "mlp:layers=1,width=8,features=16384"
+
+
+def test_json_output_has_the_fields(run_cli) -> None:
+    status, out, _ = run_cli("probe", FAST, "--device", "sim:4MiB", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert data["max_batch_size"] >= data["recommended_batch_size"] >= 1
+    assert data["trial_steps"] == 2 * len(data["trials"])
+    assert data["capacity"] == 4 * 2**20
+    assert {"batch_size", "fits", "peak_allocated", "peak_reserved", "samples_per_second"} <= set(data["trials"][0])
+    sizes = {t["batch_size"]: t["fits"] for t in data["trials"]}
+    assert sizes[data["max_batch_size"]] is True and sizes[data["max_batch_size"] + 1] is False
+
+
+def test_table_and_summary(run_cli) -> None:
+    status, out, _ = run_cli("probe", FAST, "--device", "sim:4MiB", "--headroom", "0")
+    assert status == 0
+    assert "memfit probe" in out and "largest batch that fits:" in out and "recommended batch:" in out
+
+
+def test_memory_option_sizes_the_sim_device_and_max_batch_size_bounds_it(run_cli) -> None:
+    status, out, _ = run_cli("probe", FAST, "--device", "sim", "--memory", "4MiB", "--max-batch-size", "6",
+                             "--multiple-of", "2", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert (data["max_batch_size"], data["limit"], data["multiple_of"]) == (6, "max_batch_size", 2)
+    assert all(t["batch_size"] % 2 == 0 for t in data["trials"])
+
+
+def test_plot_writes_a_png(run_cli, tmp_path: Path) -> None:
+    target = tmp_path / "probe.png"
+    status, out, _ = run_cli("probe", FAST, "--device", "sim:4MiB", "--max-batch-size", "8", "--plot", str(target), "--json")
+    assert status == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["probe.png"]  # no temp file left behind
+    json.loads(out)
+
+
+def test_does_not_fit_is_one_line_and_exit_2(run_cli) -> None:
+    status, out, err = run_cli("probe", FAST, "--device", "sim:1MiB")
+    assert status == 2 and out == ""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1
+    assert lines[0].startswith("memfit: error: ") and "does not fit even at batch size 1" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--plot", "out.svg"], "must end in .png"),
+        (["--headroom", "1.5"], "headroom"),
+        (["--max-batch-size", "2", "--multiple-of", "4"], "invalid max_batch_size"),
+    ],
+)
+def test_bad_input_is_a_one_line_error(run_cli, args: list[str], message: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_cli("probe", FAST, "--device", "sim:4MiB", *args)
+    assert status == 2
+    assert err.startswith("memfit: error: ") and message in err
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,256 @@
+"""probe(): exact trial sequences on formula devices, exact maxima on sim:, state left untouched."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.batch_search import SearchSpace
+from memfit.errors import DoesNotFitError, MemfitError
+from memfit.measurement import Measurement, measure
+from memfit.probing import TRIAL_STEPS, ProbeResult, probe, recommend, search
+from memfit.workload import Workload
+
+MiB = 2**20
+
+
+def formula_trial(capacity: int, fixed: int = 100 * MiB, per_sample: int = 3 * MiB, seconds=lambda b: 0.01 + 0.001 * b):
+    """A fake device: memory ``fixed + per_sample * b`` (reserved 10 % more), time by formula."""
+
+    def trial(batch: int) -> Measurement:
+        allocated = fixed + per_sample * batch
+        reserved = allocated
+        if reserved > capacity:
+            return Measurement(batch, False, min(allocated, capacity), min(reserved, capacity), None)
+        return Measurement(batch, True, allocated, reserved, seconds(batch))
+
+    return trial
+
+
+def test_search_finds_the_maximum_then_the_headroom_batch() -> None:
+    capacity = 1000 * MiB  # maximum (1000 - 100) / 3 = 300; with 5 % headroom (950 - 100) / 3 = 283
+    found = search(formula_trial(capacity), SearchSpace(capacity=capacity), capacity=capacity, headroom=0.05)
+    assert [t.batch_size for t in found.trials] == [1, 7, 112, 300, 301, 283, 284]
+    assert (found.max_batch_size, found.headroom_batch_size, found.recommended_batch_size) == (300, 283, 283)
+    assert found.limit == "memory"
+    assert "within 95% of capacity" in found.reason
+
+
+def test_search_recommends_where_throughput_stops_growing() -> None:
+    capacity = 1000 * MiB
+    flat_after_100 = lambda b: 0.001 * max(b, 100)  # noqa: E731 - samples/s stops growing at 100
+    found = search(formula_trial(capacity, seconds=flat_after_100), SearchSpace(capacity=capacity),
+                   capacity=capacity, headroom=0.05)
+    assert (found.max_batch_size, found.headroom_batch_size) == (300, 283)
+    assert (found.recommended_batch_size, found.throughput_batch_size) == (112, 112)
+    assert found.reason.startswith("throughput stops growing at batch 112")
+
+
+def test_search_with_a_right_guess_proves_it_in_two_trials() -> None:
+    capacity = 1000 * MiB
+    found = search(formula_trial(capacity), SearchSpace(capacity=capacity, guess=300), capacity=capacity, headroom=0)
+    assert [t.batch_size for t in found.trials] == [300, 301]
+    assert found.max_batch_size == found.recommended_batch_size == 300
+
+
+def test_search_stops_at_max_batch_size() -> None:
+    capacity = 1000 * MiB
+    found = search(formula_trial(capacity), SearchSpace(capacity=capacity, max_batch_size=200), capacity=capacity, headroom=0)
+    assert [t.batch_size for t in found.trials] == [1, 7, 112, 200]
+    assert (found.max_batch_size, found.limit) == (200, "max_batch_size")
+
+
+def test_search_maximum_of_one() -> None:
+    capacity = 1000 * MiB
+    found = search(formula_trial(capacity, fixed=900 * MiB, per_sample=60 * MiB), SearchSpace(capacity=capacity),
+                   capacity=capacity, headroom=0)
+    assert [t.batch_size for t in found.trials] == [1, 2]
+    assert found.max_batch_size == 1
+
+
+def test_search_that_does_not_fit_at_batch_1_names_the_memory() -> None:
+    capacity = 1000 * MiB
+    with pytest.raises(DoesNotFitError) as raised:
+        search(formula_trial(capacity, fixed=1200 * MiB), SearchSpace(capacity=capacity), capacity=capacity,
+               describe="big on sim:1000MiB")
+    message = str(raised.value)
+    assert message.startswith("big on sim:1000MiB does not fit even at batch size 1")
+    assert "more than the 1000.00 MiB the device has" in message
+    assert "with 1000.00 MiB reserved" in message
+
+
+@pytest.mark.parametrize(
+    ("speeds", "headroom_batch", "expected"),
+    [
+        ({8: 100.0, 16: 200.0, 32: 400.0}, 32, (32, 32)),  # still growing: the headroom batch
+        ({8: 100.0, 16: 395.0, 32: 400.0}, 32, (16, 16)),  # within 2 % at 16
+        ({8: 100.0, 16: 200.0, 64: 900.0}, 32, (32, 16)),  # trials above the headroom batch do not count
+        ({}, 32, (32, None)),
+    ],
+)
+def test_recommend(speeds: dict[int, float], headroom_batch: int, expected: tuple[int, int | None]) -> None:
+    trials = [Measurement(b, True, 0, 0, b / s) for b, s in speeds.items()]
+    assert recommend(trials, headroom_batch, 0.05)[:2] == expected
+
+
+# -- on the simulated GPU ---------------------------------------------------------------------
+
+#: zoo workloads and budgets with small maxima, so an exhaustive scan stays fast
+ZOO = [
+    ("mlp:layers=1,width=8,features=16384", "sim:4MiB"),
+    ("convnet:blocks=2,channels=8,image_size=32", "sim:4MiB"),
+    ("gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=64,vocab_size=128", "sim:4MiB"),
+]
+FAST = ZOO[0]
+
+
+def scan_maximum(ref: str, spec: str, beyond: int = 2) -> int:
+    """Every batch from 1 up to the first that does not fit, and ``beyond`` more that must not."""
+    workload, gpu = memfit.load_workload(ref), memfit.device(spec)
+    batch = 1
+    while measure(workload, batch, gpu).fits:
+        batch += 1
+    assert not any(measure(workload, batch + k, gpu).fits for k in range(1, beyond + 1))
+    return batch - 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("ref", "spec"), ZOO)
+def test_probe_equals_an_exhaustive_scan_on_sim(ref: str, spec: str) -> None:
+    result = probe(ref, spec, headroom=0)
+    assert result.max_batch_size == scan_maximum(ref, spec)
+    assert result.trial_steps == TRIAL_STEPS * len(result.trials)
+
+
+def test_probe_with_the_right_guess_proves_it_in_two_trials() -> None:
+    ref, spec = FAST
+    first = probe(ref, spec, headroom=0)
+    again = probe(ref, spec, headroom=0, guess=first.max_batch_size)
+    assert [t.batch_size for t in again.trials] == [first.max_batch_size, first.max_batch_size + 1]
+    assert again.max_batch_size == first.max_batch_size
+
+
+def test_probe_multiple_of() -> None:
+    ref, spec = FAST
+    result = probe(ref, spec, headroom=0, multiple_of=4)
+    assert result.max_batch_size % 4 == 0
+    assert all(t.batch_size % 4 == 0 for t in result.trials)
+    assert memfit.measure(ref, result.max_batch_size, spec).fits
+    assert not memfit.measure(ref, result.max_batch_size + 4, spec).fits
+
+
+def test_device_is_back_at_baseline_after_every_trial() -> None:
+    gpu = memfit.device("sim:4MiB")
+    seen: list[tuple[int, bool, int, int]] = []
+
+    def progress(batch: int, measurement: Measurement | None) -> None:
+        if measurement is not None:
+            seen.append((batch, measurement.fits, gpu.memory_allocated(), gpu.memory_reserved()))
+
+    probe(FAST[0], gpu, progress=progress)
+    assert {fits for _, fits, _, _ in seen} == {True, False}
+    assert all((allocated, reserved) == (0, 0) for _, _, allocated, reserved in seen)
+
+
+def convnet_in_a_training_script() -> tuple[Workload, torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+    """A workload made from the script's own model instance and optimizer, one step trained."""
+    torch.manual_seed(0)
+    base = memfit.load_workload("convnet:blocks=2,channels=4,image_size=8")
+    model = base.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    loss = base.loss(model, base.make_batch(4))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    workload = Workload(model=model, make_batch=base.make_batch, loss=base.loss,
+                        optimizer=lambda params: optimizer, name="script")
+    return workload, model, optimizer, scaler
+
+
+def snapshot_everything(model, optimizer, scaler):
+    tensors = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    state = [(i, k, v.clone()) for i, entry in sorted(optimizer.state_dict()["state"].items()) for k, v in sorted(entry.items())]
+    return tensors, grads, state, scaler.state_dict(), model.training
+
+
+def assert_same(before, after) -> None:
+    (t0, g0, s0, sc0, tr0), (t1, g1, s1, sc1, tr1) = before, after
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(t0, t1, strict=True))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+    assert [(i, k) for i, k, _ in s0] == [(i, k) for i, k, _ in s1]
+    assert all(torch.equal(a, b) for (*_, a), (*_, b) in zip(s0, s1, strict=True))
+    assert (sc0, tr0) == (sc1, tr1)
+
+
+def test_probing_a_model_instance_leaves_model_optimizer_scaler_and_rngs_bit_identical() -> None:
+    workload, model, optimizer, scaler = convnet_in_a_training_script()
+    model.eval()
+    before = snapshot_everything(model, optimizer, scaler)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    expected_draws = (random.random(), np.random.rand(), torch.rand(2))
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+
+    result = probe(workload, "sim:4MiB", max_batch_size=32, preserve=[scaler])
+
+    assert result.max_batch_size >= 1 and len(result.trials) >= 2
+    assert_same(before, snapshot_everything(model, optimizer, scaler))
+    draws = (random.random(), np.random.rand(), torch.rand(2))
+    assert draws[:2] == expected_draws[:2] and torch.equal(draws[2], expected_draws[2])
+
+
+def test_a_real_error_propagates_unchanged_and_state_is_still_restored() -> None:
+    workload, model, optimizer, scaler = convnet_in_a_training_script()
+    before = snapshot_everything(model, optimizer, scaler)
+    calls = []
+
+    def loss(m, batch):
+        calls.append(1)
+        if len(calls) > 3:
+            raise ValueError("a real bug")
+        return workload_loss(m, batch)
+
+    workload_loss = workload.loss
+    workload.loss = loss
+    with pytest.raises(ValueError, match="a real bug"):
+        probe(workload, "sim:4MiB")
+    assert_same(before, snapshot_everything(model, optimizer, scaler))
+
+
+def test_does_not_fit_on_sim_is_a_clear_error() -> None:
+    with pytest.raises(DoesNotFitError, match=r"does not fit even at batch size 1: one training step needs more than the 2\.00 MiB"):
+        probe("mlp:layers=2,width=32,features=16384", "sim:2MiB")
+
+
+def test_result_to_dict_has_the_json_fields() -> None:
+    result = probe(*FAST)
+    data = json.loads(json.dumps(result.to_dict()))
+    for key in ("max_batch_size", "recommended_batch_size", "trial_steps", "trials", "reason", "capacity"):
+        assert key in data
+    assert set(data["trials"][0]) >= {"batch_size", "fits", "peak_allocated", "peak_reserved", "samples_per_second"}
+    assert data["trials"][-1]["fits"] in (True, False)
+    assert isinstance(result, ProbeResult) and data["capacity"] == 4 * MiB
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"headroom": 1.0}, "invalid headroom"),
+        ({"multiple_of": 0}, "invalid multiple_of"),
+        ({"max_batch_size": 4, "multiple_of": 8}, "invalid max_batch_size"),
+    ],
+)
+def test_bad_arguments_are_user_errors(kwargs: dict, match: str) -> None:
+    with pytest.raises(MemfitError, match=match):
+        probe(FAST[0], "sim:4MiB", **kwargs)
+
+
+def test_a_device_without_a_limit_needs_max_batch_size() -> None:
+    with pytest.raises(MemfitError, match="no memory limit"):
+        probe(FAST[0], "cpu")
