@@ -12,6 +12,7 @@ from torch import nn
 import memfit
 from memfit.breakdown import Peak, analyze
 from memfit.errors import MemfitError
+from memfit.batch_search import Outcome
 from memfit.estimation import apply_sharding, estimate, largest_fitting, resolve_target
 from memfit.memory.fake import UnsupportedOperation, run_fake_steps
 from memfit.memory.gpus import lookup
@@ -93,20 +94,22 @@ def test_max_batch_size_equals_the_exhaustive_maximum_on_sim() -> None:
     assert est.fits is True
 
 
-@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 7, 8, 9, 100, 1000])
-def test_largest_fitting_finds_the_threshold(threshold: int) -> None:
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 7, 8, 9, 100, 1000, 25204])
+def test_largest_fitting_finds_the_threshold_in_few_runs(threshold: int) -> None:
     calls: list[int] = []
+    capacity = 1000 + 7 * threshold + 3  # memory 1000 + 7 per sample: the maximum is ``threshold``
 
-    def fits(b: int) -> bool:
+    def trial(b: int) -> Outcome:
         calls.append(b)
-        return b <= threshold
+        memory = 1000 + 7 * b
+        return Outcome(b, memory <= capacity, memory if memory <= capacity else 0)
 
-    assert largest_fitting(fits) == threshold
-    assert len(calls) <= 2 * max(threshold, 1).bit_length() + 2
+    assert largest_fitting(trial, capacity) == threshold
+    assert len(calls) <= 6  # a linear curve: found and proven in a handful of fake runs
 
 
 def test_largest_fitting_stops_at_its_limit() -> None:
-    assert largest_fitting(lambda b: True, limit=64) == 64
+    assert largest_fitting(lambda b: Outcome(b, True, 1), 10**9, limit=64) == 64
 
 
 @pytest.mark.parametrize(

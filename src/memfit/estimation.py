@@ -41,6 +41,7 @@ from typing import Any
 
 from memfit import sharding
 from memfit.breakdown import CATEGORIES, Peak, analyze
+from memfit.batch_search import Outcome, SearchSpace, answer, run_search
 from memfit.errors import MemfitError
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice, device as make_device
@@ -137,25 +138,15 @@ class Estimate:
         return asdict(self)
 
 
-def largest_fitting(fits: Callable[[int], bool], limit: int = MAX_SEARCH) -> int:
-    """The largest ``b`` in 1..limit with ``fits(b)`` (0 if none), for a monotone ``fits``.
+def largest_fitting(trial: Callable[[int], Outcome], capacity: int | None, limit: int = MAX_SEARCH) -> int:
+    """The largest batch in 1..limit that fits (0 if none), for memory monotone in the batch.
 
-    Why doubling then bisection: about 2·log2(answer) calls, each a fake run.
+    Why probe's search policy: each call is a fake run, and memory is close to linear in
+    the batch, so jumping along the line between fitting runs proves the boundary in a
+    handful of runs, where doubling and bisection take about 2·log2(answer).
     """
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high <= limit and fits(high):
-        low, high = high, high * 2
-    if high > limit:
-        return low
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low
+    space = SearchSpace(capacity=capacity, max_batch_size=limit)
+    return answer(space, run_search(space, trial))
 
 
 def apply_sharding(peak: Peak, world_size: int, shard: str) -> tuple[dict[str, int], int, int]:
@@ -196,6 +187,8 @@ class _Prediction:
         self._run = run_fake_steps(workload, settings, foreach=target.cuda, budget=budget)
         self._budget = budget
         self.fits = self._run.fits
+        #: the allocator model's peak reserved bytes of the budgeted run (what the search needs)
+        self.peak_reserved = self._run.peak_reserved
         self._peak: Peak | None = None
 
     @property
@@ -248,16 +241,18 @@ def estimate(
             cache[b] = _Prediction(wl, settings.replace(micro_batch_size=b), target, budget)
         return cache[b]
 
-    def fits(b: int) -> bool:
+    def outcome(b: int) -> Outcome:
         prediction = predict(b)
         if not sharded:
-            return prediction.fits
+            return Outcome(b, prediction.fits, prediction.peak_reserved if prediction.fits else 0)
         _, _, reserved = apply_sharding(prediction.peak, world_size, shard)
-        return target.memory is not None and reserved + target.fixed_total <= target.memory
+        total = reserved + target.fixed_total
+        return Outcome(b, target.memory is not None and total <= target.memory, total)
 
     max_batch = None
     if target.memory is not None and (batch_size is None or search):
-        max_batch = largest_fitting(fits)
+        capacity = target.memory if sharded else target.budget
+        max_batch = largest_fitting(outcome, capacity)
     chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
     prediction = predict(chosen)
     categories, allocated, reserved = apply_sharding(prediction.peak, world_size, shard)
@@ -277,7 +272,7 @@ def estimate(
         total=total,
         breakdown=breakdown,
         top_modules=[{"module": name, "bytes": nbytes} for name, nbytes in prediction.peak.top_modules],
-        fits=fits(chosen) if target.memory is not None else None,
+        fits=outcome(chosen).fits if target.memory is not None else None,
         max_batch_size=max_batch,
         world_size=world_size,
         shard=shard,

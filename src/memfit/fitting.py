@@ -82,9 +82,13 @@ class FitResult:
                 f"predicted largest batch {self.estimate.max_batch_size}."
             )
         p = self.probe
+        if p.limit == "max_batch_size":
+            largest = f"at least {p.max_batch_size} fits (the search stopped at max_batch_size)"
+        else:
+            largest = f"the largest batch that fits is {p.max_batch_size} (exact)"
         lines.append(
-            f"Probe: the largest batch that fits is {p.max_batch_size} (exact, {len(p.trials)} trials, "
-            f"{p.trial_steps} optimizer steps); recommended {p.recommended_batch_size}."
+            f"Probe: {largest}, {len(p.trials)} trials, {p.trial_steps} optimizer steps; "
+            f"recommended {p.recommended_batch_size}: {p.reason}"
         )
         lines.append(f"Plan for batch {self.plan.target_batch_size}: {self.plan.reason}")
         lines.extend(f"Advice: {note}" for note in self.plan.advice)
@@ -98,6 +102,7 @@ def fit(
     *,
     target_batch_size: int | None = None,
     headroom: float = 0.05,
+    max_batch_size: int | None = None,
     world_size: int = 1,
     lock_path: str | os.PathLike[str] = "memfit.lock",
     report_dir: str | os.PathLike[str] | None = "memfit-report",
@@ -108,21 +113,25 @@ def fit(
     from memfit.estimation import estimate
     from memfit.probing import probe
 
+    from memfit import system
+
     say = say or (lambda _text: None)
     wl = load_workload(workload)
     gpu = make_device(device)
+    machine = system.current_probe()  # one probe: its answers are read once, for doctor and lock
     diagnosis = None
     if run_doctor:
         from memfit.doctor import diagnose
 
         say("doctor: checking the environment")
-        diagnosis = diagnose()
+        diagnosis = diagnose(machine)
     predicted = None
     if gpu.capacity is not None:
         say("estimate: predicting peak memory on fake tensors")
         predicted = estimate(wl, None, Settings(), device=gpu)
     say("probe: finding the largest batch that fits")
-    found = probe(wl, gpu, headroom=headroom, guess=predicted.max_batch_size if predicted else None)
+    found = probe(wl, gpu, headroom=headroom, max_batch_size=max_batch_size,
+                  guess=predicted.max_batch_size if predicted else None)
     target = target_batch_size or found.recommended_batch_size * world_size
     say(f"plan: the fastest settings that reach batch {target}")
     chosen = plan(wl, target, gpu, world_size=world_size)
@@ -136,7 +145,7 @@ def fit(
         settings=best.settings,
         target_batch_size=target,
         world_size=world_size,
-        environment=fingerprint(),
+        environment=fingerprint(machine),
         measured=Measured(
             device=gpu.spec,
             capacity=gpu.capacity or 0,

@@ -14,6 +14,8 @@ from memfit.memory.devices import device
 @device_options
 @click.option("--target-batch", "target", type=click.IntRange(min=1), default=None,
               help="Global batch per optimizer step (default: the batch probe recommends).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
+              help="Stop the batch search here (the largest batch you would ever use).")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
 @click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
               help="Fraction of memory to keep free.")
@@ -28,6 +30,7 @@ def command(
     device_spec: str,
     memory: str | None,
     target: int | None,
+    max_batch_size: int | None,
     world_size: int,
     headroom: float,
     lock_path: str,
@@ -39,7 +42,7 @@ def command(
     gpu = device(device_spec, memory=memory)
     say = None if as_json else (lambda text: err_console.print(f"[dim]memfit fit ·[/dim] {text}"))
     result = fit(
-        workload, gpu, target_batch_size=target, headroom=headroom, world_size=world_size,
+        workload, gpu, target_batch_size=target, headroom=headroom, max_batch_size=max_batch_size, world_size=world_size,
         lock_path=lock_path, report_dir=report_dir, run_doctor=not no_doctor, say=say,
     )
     if as_json:
