@@ -1,5 +1,11 @@
-"""``python -m memfit`` (and ``torchrun -m memfit``) runs the command line."""
+"""``python -m memfit`` (and ``torchrun -m memfit``) runs the command line.
 
-from memfit.cli import entry_point
+Under torchrun (WORLD_SIZE > 1) the process first joins the process group, so every
+command works the same way on every rank; rank 0 alone prints.
+"""
 
-entry_point()
+import sys
+
+from memfit.integrations.torchrun import main
+
+sys.exit(main())

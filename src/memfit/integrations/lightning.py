@@ -1,0 +1,445 @@
+"""memfit in Lightning: probe the batch at fit start, survive OOMs, log memory per step.
+
+``MemfitCallback`` does three things Lightning's own tools do not:
+
+- **probe** (``on_fit_start``): finds the batch that fits by running the module's own
+  ``training_step`` and ``configure_optimizers`` on the device (every rank probes its own
+  and all agree on the smallest, so it works under DDP, where ``BatchSizeFinder``
+  refuses), then sets ``batch_size`` where Lightning's ``BatchSizeFinder`` would (the
+  module, its ``hparams``, the datamodule). With ``target_batch_size`` it keeps the
+  effective batch exact: per-device batch x ``accumulate_grad_batches`` x ranks equals
+  the target.
+- **guard**: the callback wraps the module's ``training_step`` (an instance attribute,
+  removed at the end of fit). The wrapper runs forward *and* backward of the batch itself
+  through :class:`memfit.guard.Splitter`: on an OOM it drops the partial gradients, halves
+  the micro-batch and runs the same batch again, each micro-batch's loss weighted by its
+  share (and divided by ``accumulate_grad_batches``, as Lightning does). It returns the
+  batch's loss as a leaf tensor, so Lightning's own ``backward`` adds nothing and the
+  optimizer step, clipping, schedulers and hooks run as usual. Under DDP it turns off
+  DDP's gradient hooks (``require_backward_grad_sync``) and the splitter averages the
+  gradients once per batch after every rank agreed, so an OOM on one rank cannot leave
+  the others in a collective.
+- **monitor**: a :class:`memfit.Monitor` records each batch, and ``memfit/allocated``,
+  ``memfit/reserved``, ``memfit/peak_allocated`` and ``memfit/peak_reserved`` (bytes) go to
+  every logger of the trainer.
+
+The device: ``device=`` takes a memfit device or spec (``"sim:4GiB"`` to rehearse a
+smaller GPU on the CPU, ``"cuda:0"``), or a function of the rank returning one; by
+default it is the module's own CUDA device, or none on a CPU (then nothing is probed or
+monitored; the guard still catches real OOMs).
+
+>>> import lightning
+>>> callback = MemfitCallback(device="sim:1GiB", target_batch_size=64)
+>>> isinstance(callback, lightning.pytorch.Callback)
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from torch import nn
+
+from memfit import distributed
+from memfit.errors import MemfitError
+from memfit.guard import Splitter
+from memfit.integrations.effective_batch import split_target
+from memfit.memory.devices import CudaDevice, Device, device as make_device
+from memfit.monitor import Monitor
+from memfit.probing import ProbeResult, probe as run_probe
+from memfit.workload import Workload
+
+__all__ = [
+    "MemfitCallback",
+    "loss_of",
+    "first_optimizer",
+    "batch_maker",
+    "set_aside_gradients",
+    "add_gradients",
+    "average_gradients_in_place",
+    "MEMORY_METRICS",
+]
+
+DeviceChoice = Device | str | Callable[[int], "Device | str"] | None
+
+#: the logged metric names, and the monitor record field each one reads
+MEMORY_METRICS = {
+    "memfit/allocated": "allocated",
+    "memfit/reserved": "reserved",
+    "memfit/peak_allocated": "peak_allocated",
+    "memfit/peak_reserved": "peak_reserved",
+}
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a ``training_step`` output: the tensor itself, or ``output["loss"]``.
+
+    Why strict: a step that returns ``None`` (skip) cannot be split into micro-batches
+    whose gradients add up to the batch's.
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise MemfitError(
+        f"training_step returned {type(output).__name__}: memfit needs the loss as a tensor or as {{'loss': tensor}}"
+    )
+
+
+def first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The first optimizer in whatever ``configure_optimizers`` returned.
+
+    Why only the first: a probe needs the optimizer state a step allocates; modules with
+    several optimizers (GANs) use manual optimization, which memfit does not wrap.
+    """
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, Mapping) and "optimizer" in configured:
+        return first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        return first_optimizer(configured[0])
+    raise MemfitError(f"configure_optimizers returned {type(configured).__name__}: found no optimizer to probe with")
+
+
+def batch_maker(dataloader: Any) -> Callable[[int], Any]:
+    """``make_batch(n)``: ``n`` samples of the loader's dataset (cycled), collated as the loader does.
+
+    Why the dataset: a probe must run real samples through the real collate function,
+    at any batch size; a map-style dataset gives that without iterating the loader.
+    """
+    dataset = getattr(dataloader, "dataset", None)
+    collate = getattr(dataloader, "collate_fn", None)
+    if dataset is None or collate is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise MemfitError(
+            "the train dataloader has no map-style dataset to draw probe batches from; "
+            "pass make_batch=(lambda n: a batch of n samples) to MemfitCallback"
+        )
+    size = len(dataset)
+    if size == 0:
+        raise MemfitError("the training dataset is empty: nothing to probe with")
+
+    def make_batch(n: int) -> Any:
+        return collate([dataset[i % size] for i in range(n)])
+
+    return make_batch
+
+
+def set_aside_gradients(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    """Take the parameters' gradients out (``.grad`` becomes None) and return them.
+
+    Why: the guard's gradient must survive Lightning's ``zero_grad``, which runs between
+    ``training_step`` and ``backward``; set aside, it is untouched by it.
+    """
+    taken = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return taken
+
+
+def add_gradients(params: list[nn.Parameter], gradients: list[torch.Tensor | None]) -> None:
+    """Add gradients set aside back onto ``.grad`` (adopting them where ``.grad`` is None)."""
+    for p, grad in zip(params, gradients):
+        if grad is None:
+            continue
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad.add_(grad)
+
+
+def average_gradients_in_place(params: list[nn.Parameter]) -> None:
+    """Replace each gradient by its mean over the ranks, one in-place all-reduce per tensor.
+
+    Why in place: the step that needs this is the one short of memory; a flat copy of
+    the gradients (DDP's buckets) could itself run out. A parameter without a gradient
+    here gets zeros, so every rank reduces the same tensors in the same order.
+    """
+    if not distributed.is_distributed():
+        return
+    count = distributed.world_size()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        torch.distributed.all_reduce(p.grad)
+        p.grad.div_(count)
+
+
+@contextlib.contextmanager
+def _without_trainer(module: pl.LightningModule) -> Iterator[None]:
+    """Run the module's hooks outside the trainer's loops (for probe trials).
+
+    Why: ``self.log`` inside ``training_step`` needs a running loop; without a trainer it
+    only warns, and the trials' values must not reach the logs anyway.
+    """
+    trainer = module._trainer
+    module._trainer = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        module._trainer = trainer
+
+
+def _ddp_model(trainer: pl.Trainer) -> nn.parallel.DistributedDataParallel | None:
+    model = getattr(trainer.strategy, "model", None)
+    return model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+
+class MemfitCallback(pl.Callback):
+    """Probe the batch size at fit start, guard each training step against OOM, log memory.
+
+    ``probe``: find the batch that fits and set ``batch_arg_name`` (``batch_size``);
+    ``target_batch_size``: the samples per optimizer step over all ranks, kept exact with
+    ``accumulate_grad_batches``; ``guard``: recover from an OOM in a training step by
+    splitting the batch (same gradient, no sample lost); ``monitor``: record memory per
+    batch and log it. ``device``: see the module docstring. ``make_batch(n)``: probe
+    batches (default: samples of the train dataloader's dataset). ``max_batch_size``,
+    ``multiple_of``, ``headroom``: as in :func:`memfit.probe`. ``grow_after``, ``split``,
+    ``weight``: as in :class:`memfit.Guard`. ``monitor_path``: JSON lines for
+    ``memfit report`` (``{rank}`` is replaced by the rank).
+    """
+
+    def __init__(
+        self,
+        probe: bool = True,
+        guard: bool = True,
+        monitor: bool = True,
+        target_batch_size: int | None = None,
+        *,
+        device: DeviceChoice = None,
+        batch_arg_name: str = "batch_size",
+        make_batch: Callable[[int], Any] | None = None,
+        max_batch_size: int | None = None,
+        multiple_of: int = 1,
+        headroom: float = 0.05,
+        grow_after: int | None = None,
+        split: Callable[[Any, int], Any] | None = None,
+        weight: Callable[[Any], Any] | None = None,
+        monitor_path: str | None = None,
+    ) -> None:
+        if target_batch_size is not None and not probe:
+            raise MemfitError("target_batch_size needs probe=True: the per-device batch comes from the probe")
+        self.probe = probe
+        self.guard = guard
+        self.monitor = monitor
+        self.target_batch_size = target_batch_size
+        self.device_choice = device
+        self.batch_arg_name = batch_arg_name
+        self.make_batch = make_batch
+        self.max_batch_size = max_batch_size
+        self.multiple_of = multiple_of
+        self.headroom = headroom
+        self.grow_after = grow_after
+        self.split = split
+        self.weight = weight
+        self.monitor_path = monitor_path
+        #: what the probe found (None before fit start or with probe=False)
+        self.result: ProbeResult | None = None
+        #: the per-device batch and accumulation the callback set
+        self.batch_size: int | None = None
+        self.accumulation: int | None = None
+        #: the guard's splitter during fit (its ``events`` list every OOM recovered)
+        self.splitter: Splitter | None = None
+        #: the memory monitor of the last fit (its records and findings stay readable)
+        self.memory: Monitor | None = None
+        self._device: Device | None = None
+        self._entered = False
+        self._monitoring = False
+        self._ddp_sync: bool | None = None
+        self._pending: list[torch.Tensor | None] | None = None
+
+    # -- Lightning hooks -----------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Entered here, after the strategy set up (DDP's wrapping and its first broadcast
+        # are not training memory), and before the probe and the first step.
+        self._device = self._resolve_device(pl_module)
+        if self._device is not None:
+            self._device.__enter__()
+            self._entered = True
+            self._device.adopt(list(pl_module.parameters()) + list(pl_module.buffers()))
+        original = type(pl_module).training_step.__get__(pl_module)
+        if self.probe:
+            self._probe_and_set_batch(trainer, pl_module, original)
+        if self.guard:
+            self._install_guard(trainer, pl_module, original)
+        if self.monitor and self._device is not None:
+            self.memory = Monitor(self._device, path=self.monitor_path)
+            self.memory.__enter__()
+            self._monitoring = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        ddp = _ddp_model(trainer) if self.guard else None
+        if ddp is not None:
+            # DDP's gradient hooks would all-reduce inside backward, per micro-batch, and
+            # hang when one rank runs out of memory; the splitter averages once instead.
+            if self._ddp_sync is None:
+                self._ddp_sync = ddp.require_backward_grad_sync
+            ddp.require_backward_grad_sync = False
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._monitoring or self.memory is None:
+            return
+        record = self.memory.step(phase="train", batch_idx=batch_idx)
+        if record is None:
+            return
+        metrics = {name: float(record[key]) for name, key in MEMORY_METRICS.items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending is not None:
+            add_gradients([p for p in pl_module.parameters() if p.requires_grad], self._pending)
+            self._pending = None
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._finish(trainer, pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._finish(trainer, pl_module)
+
+    # -- the pieces ----------------------------------------------------------------------
+
+    def _resolve_device(self, pl_module: pl.LightningModule) -> Device | None:
+        choice = self.device_choice
+        if callable(choice) and not isinstance(choice, Device):
+            choice = choice(distributed.rank())
+        if choice is not None:
+            return make_device(choice)
+        if pl_module.device.type == "cuda":
+            return CudaDevice(pl_module.device.index or 0)
+        return None
+
+    def _probe_and_set_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, training_step: Callable[..., Any]) -> None:
+        if self._device is None:
+            raise MemfitError(
+                "MemfitCallback(probe=True) needs a device to probe: train on a GPU, or pass device='sim:SIZE'"
+            )
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise MemfitError(
+                f"cannot set the batch size: {self.batch_arg_name!r} is neither an attribute of the module, "
+                "nor in its hparams, nor in the datamodule; add it, or pass batch_arg_name="
+            )
+        make_batch = self.make_batch or batch_maker(trainer.fit_loop._data_source.dataloader())
+
+        def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+            with _without_trainer(pl_module):
+                return loss_of(training_step(batch, 0))
+
+        def optimizer(_params: Any) -> torch.optim.Optimizer:
+            return first_optimizer(pl_module.configure_optimizers())
+
+        workload = Workload(pl_module, make_batch, loss, optimizer, name=type(pl_module).__name__)
+        self.result = run_probe(
+            workload,
+            self._device,
+            max_batch_size=self.max_batch_size,
+            multiple_of=self.multiple_of,
+            headroom=self.headroom,
+        )
+        # The largest batch within the headroom, not the throughput pick: that depends on
+        # timings (so runs would differ), and with a target a larger micro-batch only
+        # means fewer accumulation steps.
+        fits = self.result.headroom_batch_size
+        if self.target_batch_size is None:
+            self.batch_size, self.accumulation = fits, trainer.accumulate_grad_batches
+        else:
+            self.batch_size, self.accumulation = split_target(self.target_batch_size, trainer.world_size, fits)
+            trainer.accumulate_grad_batches = self.accumulation
+        lightning_setattr(pl_module, self.batch_arg_name, self.batch_size)
+        if trainer.is_global_zero:
+            rank_zero_info(
+                f"memfit: batch size {self.batch_size} (largest that fits: {self.result.max_batch_size}), "
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
+            )
+
+    def _install_guard(self, trainer: pl.Trainer, pl_module: pl.LightningModule, training_step: Callable[..., Any]) -> None:
+        if not pl_module.automatic_optimization:
+            raise MemfitError(
+                "MemfitCallback(guard=True) wraps automatic optimization; with manual optimization "
+                "use memfit.Guard inside training_step"
+            )
+        ddp = _ddp_model(trainer)
+        # The splitter gets the module itself: its ranks still agree after every attempt,
+        # and the gradients are averaged here, tensor by tensor, in place (DDP's hooks
+        # are off; see on_train_batch_start), so averaging needs no flat copy in memory.
+        self.splitter = Splitter(
+            pl_module,
+            split=self.split,
+            weight=self.weight,
+            grow_after=self.grow_after,
+            device=self._device,
+        )
+        splitter = self.splitter
+
+        def guarded_training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            accumulation = trainer.accumulate_grad_batches
+            extras: dict[str, Any] = {}
+
+            def forward_backward(micro: Any, share: float) -> torch.Tensor:
+                output = training_step(micro, *args, **kwargs)
+                loss = loss_of(output)
+                if isinstance(output, Mapping):
+                    extras.clear()
+                    extras.update((k, v) for k, v in output.items() if k != "loss")
+                # Lightning divides the loss by accumulate_grad_batches before backward.
+                weighted = loss * (share / accumulation)
+                if scaler is not None:
+                    weighted = scaler.scale(weighted)
+                weighted.backward()
+                return loss.detach()
+
+            # Lightning zeroes gradients *after* training_step and before backward; the
+            # batch's gradients wait aside and are added back in on_after_backward.
+            params = [p for p in pl_module.parameters() if p.requires_grad]
+            earlier = set_aside_gradients(params)
+            batch_idx = args[0] if args and isinstance(args[0], int) else kwargs.get("batch_idx")
+            if batch_idx is not None and batch_idx % accumulation == 0:
+                # Lightning zeroes them before this batch's backward anyway; dropped now,
+                # their memory is free for this batch, as in a plain Lightning step.
+                earlier = [None] * len(params)
+            try:
+                result = splitter.run(batch, forward_backward)
+                if ddp is not None:
+                    average_gradients_in_place(params)
+                self._pending = set_aside_gradients(params)
+            finally:
+                add_gradients(params, earlier)
+            # A leaf: Lightning's backward on it reaches no parameter.
+            loss = torch.tensor(result.loss, device=pl_module.device, requires_grad=True)
+            return {"loss": loss, **extras} if extras else loss
+
+        pl_module.training_step = guarded_training_step  # type: ignore[method-assign]
+
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Undo everything fit start did; safe to call more than once."""
+        try:
+            self._pending = None
+            if "training_step" in vars(pl_module):
+                del pl_module.training_step
+            ddp = _ddp_model(trainer)
+            if ddp is not None and self._ddp_sync is not None:
+                ddp.require_backward_grad_sync = self._ddp_sync
+            self._ddp_sync = None
+            if self._monitoring and self.memory is not None:
+                self._monitoring = False
+                self.memory.__exit__(None, None, None)
+        finally:
+            if self._entered and self._device is not None:
+                self._entered = False
+                self._device.__exit__(None, None, None)

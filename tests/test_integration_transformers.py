@@ -1,0 +1,120 @@
+"""MemfitTrainer and MemoryCallback with the real transformers Trainer, on a simulated GPU.
+
+A tiny GPT-2 (two layers, random init, no download) trains on an in-memory dataset whose
+labels mask a different number of tokens per sample, so the token-count normalization
+(``num_items_in_batch``) matters: a split that weighted micro-batches by samples would
+give a different gradient.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import memfit
+
+transformers = pytest.importorskip("transformers")
+
+from memfit.integrations.transformers import (  # noqa: E402
+    MEMORY_METRICS,
+    MemfitTrainer,
+    MemoryCallback,
+    micro_batch_factor,
+)
+
+#: a batch of 16 sequences runs out of memory in forward here; 8 fits
+TIGHT = "sim:4MiB"
+
+
+def dataset(samples: int = 32, length: int = 16) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (samples, length), generator=generator)
+    labels = ids.clone()
+    labels[:, :3] = -100  # a prompt
+    labels[::3, 10:] = -100  # every third sample has fewer target tokens
+    return [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+
+
+def train(
+    cls: type = transformers.Trainer, tmp: Path | None = None, *, accepts_loss_kwargs: bool = True, **options: Any
+) -> tuple[Any, torch.nn.Module]:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp or "unused"),
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = cls(model=model, args=args, train_dataset=dataset(), **options)
+    if not accepts_loss_kwargs:
+        # The Trainer's other normalization: a mean over each batch, divided by the accumulation.
+        trainer.model_accepts_loss_kwargs = False
+    trainer.train()
+    return trainer, model
+
+
+def assert_same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    expected = reference.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("normalized", "share", "expected"), [(True, 0.25, 1.0), (False, 0.25, 0.25), (False, 1.0, 1.0)])
+def test_micro_batch_factor(normalized: bool, share: float, expected: float) -> None:
+    assert micro_batch_factor(normalized, share) == expected
+
+
+def test_an_oom_mid_training_is_recovered_with_the_unsplit_weights(tmp_path: Path) -> None:
+    reference_trainer, reference = train(tmp=tmp_path)
+    trainer, model = train(MemfitTrainer, tmp_path, memfit_device=TIGHT)
+    assert trainer.memfit_events, "the batch of 16 should have run out of memory"
+    assert trainer.memfit_events[0].micro_batch_before == 16
+    assert trainer.memfit_micro_batch_size is not None and trainer.memfit_micro_batch_size < 16
+    assert trainer.state.global_step == reference_trainer.state.global_step == 2
+    assert_same_weights(model, reference)
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    expected = [log["loss"] for log in reference_trainer.state.log_history if "loss" in log]
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_mean_loss_is_weighted_by_the_given_token_count(tmp_path: Path) -> None:
+    _, reference = train(tmp=tmp_path, accepts_loss_kwargs=False)
+    trainer, model = train(
+        MemfitTrainer, tmp_path, accepts_loss_kwargs=False, memfit_device=TIGHT,
+        memfit_weight=lambda batch: int((batch["labels"][:, 1:] != -100).sum()),
+    )
+    assert trainer.memfit_events
+    assert_same_weights(model, reference)
+
+
+def test_without_memfit_the_same_run_runs_out_of_memory(tmp_path: Path) -> None:
+    with pytest.raises(torch.OutOfMemoryError):
+        with memfit.device(TIGHT):
+            train(tmp=tmp_path)
+
+
+def test_memory_is_recorded_per_step_and_reported_in_the_logs(tmp_path: Path) -> None:
+    trainer, _ = train(MemfitTrainer, tmp_path, memfit_device="sim:64MiB")
+    records = trainer.memory_callback.records
+    assert [r["labels"]["global_step"] for r in records] == [1, 2]
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert [{name: log[name] for name in MEMORY_METRICS} for log in logged] == [
+        {name: record[key] for name, key in MEMORY_METRICS.items()} for record in records
+    ]
+    assert all(r["peak_allocated"] > r["allocated"] > 0 for r in records)
