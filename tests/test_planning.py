@@ -74,10 +74,13 @@ class FormulaDevice:
         return Measurement(s.micro_batch_size, True, peak, peak, seconds)
 
     def predictor(self, exact: bool = True):
-        def predict(wl, s: Settings, device) -> int:
+        self.predicted: list[tuple[str, str]] = []
+
+        def predict(wl, s: Settings, device, limit: int) -> int:
+            self.predicted.append((s.precision, s.checkpointing))
             per = self.per_sample * self.FACTOR[(s.precision, s.checkpointing)]
             guess = int((self.capacity - self.base) // per)
-            return guess if exact else guess * 2  # an optimistic estimator
+            return min(limit, guess if exact else guess * 2)  # exact, or an optimistic estimator
         return predict
 
 
@@ -113,6 +116,8 @@ def test_target_that_fits_at_once_is_one_trial_per_group():
     fake = FormulaDevice(per_sample=1, capacity=10**6)
     result = run_plan(fake, 8)
     assert fake.tried == [(8, "fp32", "none"), (8, "bf16", "none"), (8, "fp16", "none")]
+    # the checkpointing groups are all dominated: not even the estimator runs for them
+    assert fake.predicted == [("fp32", "none"), ("bf16", "none"), ("fp16", "none")]
     assert all(c.status in ("measured", "dominated") for c in result.candidates)
 
 

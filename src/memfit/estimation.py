@@ -138,14 +138,16 @@ class Estimate:
         return asdict(self)
 
 
-def largest_fitting(trial: Callable[[int], Outcome], capacity: int | None, limit: int = MAX_SEARCH) -> int:
+def largest_fitting(
+    trial: Callable[[int], Outcome], capacity: int | None, limit: int = MAX_SEARCH, guess: int | None = None
+) -> int:
     """The largest batch in 1..limit that fits (0 if none), for memory monotone in the batch.
 
     Why probe's search policy: each call is a fake run, and memory is close to linear in
     the batch, so jumping along the line between fitting runs proves the boundary in a
     handful of runs, where doubling and bisection take about 2·log2(answer).
     """
-    space = SearchSpace(capacity=capacity, max_batch_size=limit)
+    space = SearchSpace(capacity=capacity, max_batch_size=limit, guess=guess)
     return answer(space, run_search(space, trial))
 
 
@@ -215,13 +217,16 @@ def estimate(
     shard: str = "none",
     fixed_costs: int | str | None = None,
     search: bool = True,
+    search_limit: int | None = None,
 ) -> Estimate:
     """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
 
     ``batch_size`` is the micro-batch (samples per forward/backward) on each rank. Without
     it, on a target with memory, the estimate is at the largest batch that fits (or at 1
     when none does); without memory, at 1. ``search=False`` skips the search for
-    ``max_batch_size`` when ``batch_size`` is given.
+    ``max_batch_size`` when ``batch_size`` is given; ``search_limit`` bounds it (a batch
+    nobody would use need not be proven: the limit is tried first, and when it fits the
+    search ends at once).
     """
     wl = load_workload(workload)
     settings = settings or Settings()
@@ -252,7 +257,10 @@ def estimate(
     max_batch = None
     if target.memory is not None and (batch_size is None or search):
         capacity = target.memory if sharded else target.budget
-        max_batch = largest_fitting(outcome, capacity)
+        if search_limit is not None:
+            max_batch = largest_fitting(outcome, capacity, limit=search_limit, guess=search_limit)
+        else:
+            max_batch = largest_fitting(outcome, capacity)
     chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
     prediction = predict(chosen)
     categories, allocated, reserved = apply_sharding(prediction.peak, world_size, shard)

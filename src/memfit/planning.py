@@ -8,11 +8,12 @@ GradScaler) and each checkpointing mode (none, blocks).
 
 The search, cheapest evidence first:
 
-1. the estimator (fake tensors, no memory, no arithmetic) gives, for each precision and
-   checkpointing mode, the largest micro-batch that fits; larger ones are discarded;
-2. within one precision, a candidate is *dominated* by a measured one with a micro-batch
+1. within one precision, a candidate is *dominated* by a measured one with a micro-batch
    at least as large and no more recomputation (the same work in fewer, larger
-   kernels, without recompute, is not slower); dominated candidates are not run;
+   kernels, without recompute, is not slower); dominated candidates are not run, and a
+   group (precision, checkpointing) of dominated candidates costs nothing at all;
+2. for each other group, the estimator (fake tensors, no memory, no arithmetic) gives
+   the largest micro-batch that fits; larger ones are discarded;
 3. the rest are run as short trials (two optimizer steps of one micro-batch) from the
    most promising down; a trial that runs out of memory moves to the next smaller
    micro-batch of its group.
@@ -228,17 +229,20 @@ class Plan:
         }
 
 
-Predictor = Callable[[Workload, Settings, Device], "int | None"]
+#: (workload, settings, device, largest micro-batch of interest) -> largest that fits, or None
+Predictor = Callable[[Workload, Settings, Device, int], "int | None"]
 Trial = Callable[[Workload, Settings, Device], Measurement]
 
 
-def estimated_max_micro_batch(workload: Workload, settings: Settings, device: Device) -> int | None:
-    """The estimator's largest micro-batch for these settings on this device (None: unknown)."""
+def estimated_max_micro_batch(workload: Workload, settings: Settings, device: Device, limit: int) -> int | None:
+    """The estimator's largest micro-batch up to ``limit`` for these settings on this
+    device (None: the device's memory is unknown)."""
     if device.capacity is None:
         return None
     from memfit.estimation import estimate
 
-    return estimate(workload, None, settings.replace(micro_batch_size=None, accumulation_steps=1), device=device).max_batch_size
+    probe_settings = settings.replace(micro_batch_size=None, accumulation_steps=1)
+    return estimate(workload, None, probe_settings, device=device, search_limit=limit).max_batch_size
 
 
 def trial(workload: Workload, settings: Settings, device: Device) -> Measurement:
@@ -275,21 +279,24 @@ def plan(
     pool = candidates(target_batch_size, world_size=world_size, precisions=precisions, checkpointing=checkpointing)
     results = {s: Candidate(s, "not run") for s in pool}
 
-    limits: dict[tuple[str, str], int | None] = {}
-    for group in _group_order(precisions, checkpointing):
-        limit = predictor(wl, Settings(precision=group[0], checkpointing=group[1]), gpu) if predictor else None
-        limits[group] = limit
-        for s in pool:
-            if (s.precision, s.checkpointing) == group:
-                results[s].predicted_max_micro_batch = limit
-                if limit is not None and s.micro_batch_size is not None and s.micro_batch_size > limit:
-                    results[s].status = "too large (estimate)"
-
+    per_rank = target_batch_size // world_size
     trial_steps = 0
     for group in _group_order(precisions, checkpointing):
-        for s in (s for s in pool if (s.precision, s.checkpointing) == group):
+        members = [s for s in pool if (s.precision, s.checkpointing) == group]
+        # A group whose every candidate a measured one already beats costs nothing.
+        for s in members:
+            if any(o.fits and dominates(o.settings, s) for o in results.values()):
+                results[s].status = "dominated"
+        if all(results[s].status == "dominated" for s in members):
+            continue
+        limit = predictor(wl, Settings(precision=group[0], checkpointing=group[1]), gpu, per_rank) if predictor else None
+        for s in members:
             c = results[s]
+            c.predicted_max_micro_batch = limit
             if c.status != "not run":
+                continue
+            if limit is not None and s.micro_batch_size is not None and s.micro_batch_size > limit:
+                c.status = "too large (estimate)"
                 continue
             if any(o.fits and dominates(o.settings, s) for o in results.values()):
                 c.status = "dominated"
@@ -322,7 +329,6 @@ def plan(
         has_batchnorm=has_batchnorm,
         world_size=world_size,
     )
-    per_rank = target_batch_size // world_size
     if per_rank > 1 and len(divisors(per_rank)) == 2 and chosen.micro_batch_size == 1:
         notes.append(
             f"{per_rank} is prime, so only micro-batch 1 reaches it exactly; a target of "
