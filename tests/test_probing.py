@@ -254,3 +254,15 @@ def test_bad_arguments_are_user_errors(kwargs: dict, match: str) -> None:
 def test_a_device_without_a_limit_needs_max_batch_size() -> None:
     with pytest.raises(MemfitError, match="no memory limit"):
         probe(FAST[0], "cpu")
+
+
+@pytest.mark.parametrize(("ref", "spec"), [
+    ("mlp:layers=2,width=64,features=64", "sim:6MiB"),
+    ("convnet:blocks=1,channels=8,image_size=32", "sim:8MiB"),
+])
+def test_probe_starting_at_the_estimate_is_exact_in_at_most_three_trials(ref, spec):
+    """Issue 4: with the device's memory known, probe starts at memfit.estimate's answer."""
+    from_scratch = probe(ref, spec, headroom=0)
+    from_estimate = probe(ref, spec, headroom=0, guess="estimate")
+    assert from_estimate.max_batch_size == from_scratch.max_batch_size
+    assert len(from_estimate.trials) <= 3 < len(from_scratch.trials)

@@ -29,7 +29,7 @@ slightly favours larger micro-batches, which is also what accumulation rewards.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn

@@ -230,15 +230,16 @@ def probe(
     max_batch_size: int | None = None,
     multiple_of: int = 1,
     headroom: float = 0.05,
-    guess: int | None = None,
+    guess: int | str | None = None,
     progress: Progress | None = None,
     preserve: Sequence[Any] = (),
 ) -> ProbeResult:
     """Find the largest batch that fits on ``device`` (exact) and the batch to use.
 
     ``settings`` give precision, checkpointing and accumulation (the batch probed is the
-    micro-batch). ``guess`` is a predicted maximum (such as ``memfit.estimate``'s): tried
-    first, so a right guess ends the search in two trials. ``preserve`` lists further
+    micro-batch). ``guess`` is a predicted maximum, tried first, so a right guess ends the
+    search in two trials; ``guess="estimate"`` asks :func:`memfit.estimate` for it (on a
+    device whose memory is known; without a guess when the estimator cannot run the step). ``preserve`` lists further
     objects to put back afterwards (a GradScaler, an LR scheduler). Under a process group
     every rank must call this; all return the smallest maximum over the ranks.
     """
@@ -249,6 +250,10 @@ def probe(
         device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU, not every rank's cuda:0
     gpu = make_device(device)
     settings = settings or Settings()
+    if guess == "estimate":
+        guess = estimated_guess(wl, gpu, settings, max_batch_size)
+    elif isinstance(guess, str):
+        raise MemfitError(f"invalid guess {guess!r}: a batch size, or 'estimate'")
     space = SearchSpace(
         capacity=_search_capacity(gpu),
         multiple_of=multiple_of,
@@ -271,6 +276,23 @@ def probe(
     except Exception as error:  # noqa: BLE001 - re-raised below, after the ranks agree
         failure = error
     return _agree(found, failure, gpu, wl, space, headroom)
+
+
+def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: int | None) -> int | None:
+    """The estimator's largest batch, as the search's first guess (None when unknown).
+
+    Why tolerate a failure: the guess only saves trials; an operation fake tensors cannot
+    run must not stop a probe that real trials can do.
+    """
+    if gpu.capacity is None:
+        return None
+    from memfit.estimation import estimate
+
+    try:
+        predicted = estimate(workload, None, settings.replace(micro_batch_size=None), device=gpu, search_limit=limit)
+    except MemfitError:
+        return None
+    return predicted.max_batch_size or None
 
 
 def _preserving_optimizers(workload: Workload, snapshot: Snapshot) -> Workload:

@@ -8,16 +8,11 @@ GPU (``cuda:LOCAL_RANK``), all agree on the smallest answer, and only rank 0 pri
 
 from __future__ import annotations
 
-import io
-import os
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import click
-import torch
-import torch.distributed as dist
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -33,6 +28,7 @@ from memfit.commands.options import (
     workload_argument,
 )
 from memfit.errors import MemfitError
+from memfit.integrations.torchrun import process_group, rank_device
 from memfit.measurement import Measurement
 from memfit.memory.devices import Device, device as make_device
 from memfit.probing import ProbeResult, probe
@@ -52,7 +48,8 @@ EXPECTED_TRIALS = 10
 @click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
               help="Fraction of memory the recommended batch leaves free.")
 @click.option("--guess", type=click.IntRange(min=1), default=None,
-              help="A predicted maximum (from memfit estimate): tried first.")
+              help="A predicted maximum, tried first (default: memfit estimate's, when the memory is known).")
+@click.option("--no-estimate", is_flag=True, help="Search from batch 1 instead of starting at the estimate.")
 @settings_options
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               metavar="FILE.png", help="Draw memory and samples/s against batch size.")
@@ -65,6 +62,7 @@ def command(
     multiple_of: int,
     headroom: float,
     guess: int | None,
+    no_estimate: bool,
     precision: str,
     checkpointing: str,
     plot_path: Path | None,
@@ -78,19 +76,22 @@ def command(
         raise MemfitError(f"--plot {plot_path}: the file name must end in .png")
     wl = load_workload(workload)
     settings = make_settings(precision, checkpointing)
-    with _process_group_from_environment():
-        gpu = make_device(_rank_device(device_spec), memory=memory)
+    with process_group():
+        gpu = make_device(rank_device(device_spec), memory=memory)
         main = distributed.is_main_process()
         with _progress_bar(enabled=main) as progress:
             result = probe(
                 wl, gpu, settings,
-                max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom, guess=guess,
+                max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
+                guess=guess if guess is not None or no_estimate else "estimate",
                 progress=progress,
             )
     if not main:
         return
     if plot_path is not None:
-        _write_atomically(plot_path, probe_png(result))
+        from memfit.report import probe_png, write_atomically
+
+        write_atomically(plot_path, probe_png(result.to_dict()) or b"")
     if as_json:
         print_json(result.to_dict())
         return
@@ -134,63 +135,6 @@ def summary(result: ProbeResult) -> str:
     )
 
 
-def probe_png(result: ProbeResult) -> bytes:
-    """Peak allocated and reserved memory, and samples/s, against batch size; capacity as a line."""
-    from matplotlib.figure import Figure  # a Figure without pyplot renders with Agg, headless
-
-    trials = sorted(result.trials, key=lambda t: t.batch_size)
-    figure = Figure(figsize=(8.0, 4.0), dpi=100, layout="constrained")
-    axes = figure.subplots()
-    axes.set_title(f"memfit probe · {result.workload} on {result.device}", loc="left", fontsize=10)
-    mib = 2**20
-    fitting = [t for t in trials if t.fits]
-    for key, color in (("peak_reserved", "#8250df"), ("peak_allocated", "#0969da")):
-        axes.plot([t.batch_size for t in fitting], [getattr(t, key) / mib for t in fitting], marker="o",
-                  markersize=3, color=color, label=key.replace("_", " "))
-    failed = [t for t in trials if not t.fits]
-    if failed:
-        axes.scatter([t.batch_size for t in failed], [t.peak_reserved / mib for t in failed], marker="X", s=70,
-                     color="#cf222e", zorder=5, label="out of memory")
-    if result.capacity:
-        axes.axhline(result.capacity / mib, color="#1f2328", linestyle="--", linewidth=1,
-                     label=f"capacity {format_size(result.capacity)}")
-    axes.axvline(result.max_batch_size, color="#1a7f37", linestyle="--", linewidth=1,
-                 label=f"max batch {result.max_batch_size}")
-    axes.axvline(result.recommended_batch_size, color="#1a7f37", linestyle=":", linewidth=1,
-                 label=f"recommended {result.recommended_batch_size}")
-    axes.set_xlabel("batch size")
-    axes.set_ylabel("MiB")
-    axes.set_ylim(bottom=0)
-    axes.grid(True, alpha=0.3)
-    lines, labels = axes.get_legend_handles_labels()
-    speeds = [t for t in fitting if t.samples_per_second]
-    if speeds:
-        twin = axes.twinx()
-        twin.plot([t.batch_size for t in speeds], [t.samples_per_second for t in speeds], color="#9a6700",
-                  linestyle="-.", marker="s", markersize=3, label="samples/s")
-        twin.set_ylabel("samples/s")
-        twin.set_ylim(bottom=0)
-        more_lines, more_labels = twin.get_legend_handles_labels()
-        lines, labels = lines + more_lines, labels + more_labels
-    axes.legend(lines, labels, loc="upper left", fontsize=7)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Temp file beside ``path``, then rename: a reader never sees half a PNG."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.unlink(temp)
-
-
 @contextmanager
 def _progress_bar(enabled: bool) -> Iterator[object]:
     """A rich progress bar over trials on stderr (started at the first trial), or None.
@@ -232,26 +176,3 @@ def _progress_bar(enabled: bool) -> Iterator[object]:
             bar.stop()
 
 
-def _rank_device(spec: str) -> str:
-    """``auto`` or ``cuda`` under torchrun means this rank's own GPU."""
-    if distributed.is_distributed() and spec in ("auto", "cuda") and torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', distributed.rank() % torch.cuda.device_count()))}"
-    return spec
-
-
-@contextmanager
-def _process_group_from_environment(environ: Sequence[str] = ("WORLD_SIZE", "MASTER_ADDR")) -> Iterator[None]:
-    """Join the process group torchrun describes (WORLD_SIZE > 1), and leave it afterwards.
-
-    Why here: ``memfit probe`` run by torchrun must agree across ranks, and nothing else
-    in the command starts a process group. One already initialized is used as it is.
-    """
-    wanted = int(os.environ.get("WORLD_SIZE", "1")) > 1 and all(name in os.environ for name in environ)
-    if not wanted or not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
