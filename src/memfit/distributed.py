@@ -27,6 +27,7 @@ __all__ = [
     "any_rank",
     "agree_min_each",
     "average_across_ranks_",
+    "average_gradients_",
     "broadcast_from_main_",
 ]
 
@@ -138,6 +139,23 @@ def average_across_ranks_(tensors: Sequence[torch.Tensor], bucket_bytes: int = 2
         for tensor in group:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
+
+
+def average_gradients_(params: Sequence[torch.nn.Parameter], bucket_bytes: int = 0) -> None:
+    """Each parameter's gradient becomes its mean over the ranks (a missing one: zeros).
+
+    Why in place by default (``bucket_bytes=0``: one all-reduce per gradient, no copy):
+    the step that calls this is often one that just ran short of memory, where even a
+    bucket's flat copy can fail. Every rank must pass the same parameters in one order.
+    """
+    if not is_distributed():
+        return
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    average_across_ranks_(grads, bucket_bytes)
 
 
 def broadcast_from_main_(tensors: Sequence[torch.Tensor]) -> None:

@@ -63,7 +63,6 @@ __all__ = [
     "batch_maker",
     "set_aside_gradients",
     "add_gradients",
-    "average_gradients_in_place",
     "MEMORY_METRICS",
 ]
 
@@ -152,23 +151,6 @@ def add_gradients(params: list[nn.Parameter], gradients: list[torch.Tensor | Non
             p.grad = grad
         else:
             p.grad.add_(grad)
-
-
-def average_gradients_in_place(params: list[nn.Parameter]) -> None:
-    """Replace each gradient by its mean over the ranks, one in-place all-reduce per tensor.
-
-    Why in place: the step that needs this is the one short of memory; a flat copy of
-    the gradients (DDP's buckets) could itself run out. A parameter without a gradient
-    here gets zeros, so every rank reduces the same tensors in the same order.
-    """
-    if not distributed.is_distributed():
-        return
-    count = distributed.world_size()
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        torch.distributed.all_reduce(p.grad)
-        p.grad.div_(count)
 
 
 @contextlib.contextmanager
@@ -416,7 +398,7 @@ class MemfitCallback(pl.Callback):
             try:
                 result = splitter.run(batch, forward_backward)
                 if ddp is not None:
-                    average_gradients_in_place(params)
+                    distributed.average_gradients_(params)
                 self._pending = set_aside_gradients(params)
             finally:
                 add_gradients(params, earlier)

@@ -212,7 +212,7 @@ class MemfitTrainer(transformers.Trainer):
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             result = splitter.run(inputs, forward_backward)
         if ddp is not None:
-            _average_gradients_in_place([p for p in model.parameters() if p.requires_grad])
+            distributed.average_gradients_([p for p in model.parameters() if p.requires_grad])
         return torch.tensor(result.loss, device=self.args.device)
 
     # -- the pieces ----------------------------------------------------------------------
@@ -232,19 +232,3 @@ class MemfitTrainer(transformers.Trainer):
             (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
             or getattr(self, "compute_loss_func", None) is not None
         )
-
-
-def _average_gradients_in_place(params: list[nn.Parameter]) -> None:
-    """Each gradient becomes its mean over the ranks, in place (no flat copy in a short step).
-
-    Why here: DDP's own all-reduce runs inside backward, once per micro-batch, and hangs
-    when one rank runs out of memory; the splitter's ranks agree first, then this runs.
-    """
-    if not distributed.is_distributed():
-        return
-    count = distributed.world_size()
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        torch.distributed.all_reduce(p.grad)
-        p.grad.div_(count)
