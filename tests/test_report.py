@@ -291,3 +291,16 @@ def test_write_atomically_replaces_and_leaves_no_temp_file(tmp_path):
     write_atomically(target, b"two")
     assert target.read_bytes() == b"two"
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_results_show_as_tables_in_a_notebook():
+    import memfit
+    from memfit.planning import plan
+
+    m = memfit.measure("mlp:layers=1,width=8,features=8", 4, "sim:64MiB")
+    e = memfit.estimate("mlp:layers=1,width=8,features=8", 4, device="sim:64MiB")
+    p = memfit.probe("mlp:layers=1,width=8,features=8", "sim:4MiB", max_batch_size=8)
+    pl = plan("mlp:layers=1,width=8,features=8", 8, "sim:64MiB", precisions=["fp32"])
+    for result in (m, e, p, pl):
+        page = result._repr_html_()
+        assert page.startswith("<") and "<table" in page

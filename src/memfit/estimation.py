@@ -134,6 +134,12 @@ class Estimate:
     world_size: int = 1
     shard: str = "none"
 
+    def _repr_html_(self) -> str:
+        """A table in Jupyter."""
+        from memfit.report import to_html
+
+        return to_html(self.to_dict())
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -41,6 +41,12 @@ class Measurement:
             return None
         return self.batch_size / self.seconds_per_step
 
+    def _repr_html_(self) -> str:
+        """A table in Jupyter."""
+        from memfit.report import to_html
+
+        return to_html(self.to_dict())
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -213,6 +213,12 @@ class Plan:
             raise MemfitError(self.reason)
         return self.recommended.settings
 
+    def _repr_html_(self) -> str:
+        """A table in Jupyter."""
+        from memfit.report import to_html
+
+        return to_html(self.to_dict())
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "workload": self.workload,

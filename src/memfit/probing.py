@@ -93,6 +93,12 @@ class ProbeResult:
     local_max_batch_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def _repr_html_(self) -> str:
+        """A table in Jupyter."""
+        from memfit.report import to_html
+
+        return to_html(self.to_dict())
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the fields above, trials as dicts with samples_per_second."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("trials", "extra")}
