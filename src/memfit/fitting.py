@@ -126,12 +126,13 @@ def fit(
         say("doctor: checking the environment")
         diagnosis = diagnose(machine)
     predicted = None
-    if gpu.capacity is not None:
+    if gpu.capacity is not None and wl.builds_fresh_models:
+        # (a model instance comes with the script's own optimizer: see probing.estimated_guess)
         say("estimate: predicting peak memory on fake tensors")
         predicted = estimate(wl, None, Settings(), device=gpu)
     say("probe: finding the largest batch that fits")
     found = probe(wl, gpu, headroom=headroom, max_batch_size=max_batch_size,
-                  guess=predicted.max_batch_size if predicted else None)
+                  guess=predicted.max_batch_size if predicted else None)  # no second estimate
     target = target_batch_size or found.recommended_batch_size * world_size
     say(f"plan: the fastest settings that reach batch {target}")
     chosen = plan(wl, target, gpu, world_size=world_size)

@@ -236,7 +236,7 @@ def probe(
     max_batch_size: int | None = None,
     multiple_of: int = 1,
     headroom: float = 0.05,
-    guess: int | str | None = None,
+    guess: int | str | None = "estimate",
     progress: Progress | None = None,
     preserve: Sequence[Any] = (),
 ) -> ProbeResult:
@@ -244,8 +244,9 @@ def probe(
 
     ``settings`` give precision, checkpointing and accumulation (the batch probed is the
     micro-batch). ``guess`` is a predicted maximum, tried first, so a right guess ends the
-    search in two trials; ``guess="estimate"`` asks :func:`memfit.estimate` for it (on a
-    device whose memory is known; without a guess when the estimator cannot run the step). ``preserve`` lists further
+    search in two trials; ``guess="estimate"`` (the default) asks :func:`memfit.estimate`
+    for it on a device whose memory is known, and searches from batch 1 when the
+    estimator cannot run the step; ``guess=None`` always searches from batch 1. ``preserve`` lists further
     objects to put back afterwards (a GradScaler, an LR scheduler). Under a process group
     every rank must call this; all return the smallest maximum over the ranks.
     """
@@ -256,15 +257,13 @@ def probe(
         device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU, not every rank's cuda:0
     gpu = make_device(device)
     settings = settings or Settings()
-    if guess == "estimate":
-        guess = estimated_guess(wl, gpu, settings, max_batch_size)
-    elif isinstance(guess, str):
+    if isinstance(guess, str) and guess != "estimate":
         raise MemfitError(f"invalid guess {guess!r}: a batch size, or 'estimate'")
     space = SearchSpace(
         capacity=_search_capacity(gpu),
         multiple_of=multiple_of,
         max_batch_size=max_batch_size,
-        guess=guess,
+        guess=guess if isinstance(guess, int) else None,
     )
     if space.capacity is None and max_batch_size is None:
         raise MemfitError(f"{gpu.describe()} has no memory limit: give max_batch_size (--max-batch-size)")
@@ -274,6 +273,8 @@ def probe(
     try:
         with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *preserve) as snapshot:
             probed = _preserving_optimizers(wl, snapshot)
+            if guess == "estimate":
+                space = dataclasses.replace(space, guess=estimated_guess(wl, gpu, settings, max_batch_size))
 
             def trial(batch_size: int) -> Measurement:
                 return measure(probed, batch_size, gpu, settings, steps=TRIAL_STEPS)
@@ -290,13 +291,16 @@ def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: 
     Why tolerate a failure: the guess only saves trials; an operation fake tensors cannot
     run must not stop a probe that real trials can do.
     """
-    if gpu.capacity is None:
+    if gpu.capacity is None or not workload.builds_fresh_models:
+        # A model instance comes with the script's own optimizer (bound to the real
+        # parameters), which a fake-tensor run must not touch: search from batch 1.
         return None
     from memfit.estimation import estimate
 
     try:
         predicted = estimate(workload, None, settings.replace(micro_batch_size=None), device=gpu, search_limit=limit)
-    except MemfitError:
+    except Exception:  # noqa: BLE001 - only the starting point is lost; real trials follow
+        # A bug in the user's step shows up unchanged in the first real trial.
         return None
     return predicted.max_batch_size or None
 
