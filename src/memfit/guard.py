@@ -265,11 +265,12 @@ def _drop_gradients(params: Sequence[nn.Parameter]) -> None:
         p.grad = None
 
 
-def _give_back_gradients(params: Sequence[nn.Parameter], kept: list[torch.Tensor | None] | None) -> None:
-    """Add the gradients set aside by :func:`_take_gradients` back onto the batch's."""
-    if kept is None:
+def add_gradients(params: Sequence[nn.Parameter], gradients: Sequence[torch.Tensor | None] | None) -> None:
+    """Add gradients set aside (by :func:`_take_gradients`) back onto ``.grad``,
+    adopting them where ``.grad`` is None. The integrations use it too."""
+    if gradients is None:
         return
-    for p, old in zip(params, kept):
+    for p, old in zip(params, gradients):
         if old is None:
             continue
         if p.grad is None:
@@ -453,12 +454,12 @@ class Splitter:
                     self._recover(verdict, attempt.failure, params, kept)
                     del attempt
             self._average_gradients(params, verdict)
-            _give_back_gradients(params, kept)
+            add_gradients(params, kept)
             finished = True
         finally:
             if not finished:  # an error escapes: leave the gradients as they were before
                 _drop_gradients(params)
-                _give_back_gradients(params, kept)
+                add_gradients(params, kept)
         self.last = SplitResult(
             loss=float(attempt.loss),
             samples=attempt.samples,
@@ -851,7 +852,7 @@ class Guard:
         }
         if not here:
             return (
-                f"out of memory in optimizer.step() on another rank: splitting the batch cannot fix it; "
+                "out of memory in optimizer.step() on another rank: splitting the batch cannot fix it; "
                 "see that rank's error",
                 parts,
             )

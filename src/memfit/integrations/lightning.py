@@ -49,7 +49,7 @@ from torch import nn
 
 from memfit import distributed
 from memfit.errors import MemfitError
-from memfit.guard import Splitter
+from memfit.guard import Splitter, add_gradients
 from memfit.integrations.effective_batch import split_target
 from memfit.memory.devices import CudaDevice, Device, device as make_device
 from memfit.monitor import Monitor
@@ -140,17 +140,6 @@ def set_aside_gradients(params: list[nn.Parameter]) -> list[torch.Tensor | None]
     for p in params:
         p.grad = None
     return taken
-
-
-def add_gradients(params: list[nn.Parameter], gradients: list[torch.Tensor | None]) -> None:
-    """Add gradients set aside back onto ``.grad`` (adopting them where ``.grad`` is None)."""
-    for p, grad in zip(params, gradients):
-        if grad is None:
-            continue
-        if p.grad is None:
-            p.grad = grad
-        else:
-            p.grad.add_(grad)
 
 
 @contextlib.contextmanager
