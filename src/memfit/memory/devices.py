@@ -24,7 +24,7 @@ import torch
 
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
-from memfit.memory.tracker import Labels, StorageTracker
+from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.units import format_size, parse_size
 
 __all__ = ["Device", "CudaDevice", "SimDevice", "device", "DEFAULT_SIM_MEMORY", "oom_message"]
@@ -139,7 +139,9 @@ class SimDevice(Device):
     def freed(self, handle: int) -> None:
         self.allocator.free(handle)
         if self.events is not None:
-            self.events.append(("free", handle, 0, Labels()))
+            # Labelled with the moment of the free: the breakdown tells a gradient (freed
+            # by zero_grad in the optimizer phase) from a backward temporary by it.
+            self.events.append(("free", handle, 0, current_labels()))
 
     # -- Device ------------------------------------------------------------------------
 
