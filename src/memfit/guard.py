@@ -245,11 +245,13 @@ def _where_raised(tb: TracebackType | None) -> str:
     return "forward"
 
 
-def _take_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None] | None:
-    """Set gradients the user already had aside (None when there were none).
+def set_aside_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None] | None:
+    """Take the gradients out (``.grad`` becomes None) and return them (None when there were none).
 
     Why: an OOM must discard only this batch's partial gradients. With the old ones set
     aside, "discard" is "set to None", and they are added back after a successful batch.
+    The Lightning integration uses it to keep the guard's gradient out of Lightning's
+    ``zero_grad``.
     """
     if all(p.grad is None for p in params):
         return None
@@ -266,7 +268,7 @@ def _drop_gradients(params: Sequence[nn.Parameter]) -> None:
 
 
 def add_gradients(params: Sequence[nn.Parameter], gradients: Sequence[torch.Tensor | None] | None) -> None:
-    """Add gradients set aside (by :func:`_take_gradients`) back onto ``.grad``,
+    """Add gradients set aside (by :func:`set_aside_gradients`) back onto ``.grad``,
     adopting them where ``.grad`` is None. The integrations use it too."""
     if gradients is None:
         return
@@ -437,7 +439,7 @@ class Splitter:
         total_weight = self._total_weight(batch)
         params = self.params
         self._broadcast_buffers()
-        kept = _take_gradients(params)
+        kept = set_aside_gradients(params)
         attempts = 0
         had_oom = False
         finished = False

@@ -49,7 +49,7 @@ from torch import nn
 
 from memfit import distributed
 from memfit.errors import MemfitError
-from memfit.guard import Splitter, add_gradients
+from memfit.guard import Splitter, add_gradients, set_aside_gradients
 from memfit.integrations.effective_batch import split_target
 from memfit.memory.devices import CudaDevice, Device, device as make_device
 from memfit.monitor import Monitor
@@ -128,18 +128,6 @@ def batch_maker(dataloader: Any) -> Callable[[int], Any]:
         return collate([dataset[i % size] for i in range(n)])
 
     return make_batch
-
-
-def set_aside_gradients(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
-    """Take the parameters' gradients out (``.grad`` becomes None) and return them.
-
-    Why: the guard's gradient must survive Lightning's ``zero_grad``, which runs between
-    ``training_step`` and ``backward``; set aside, it is untouched by it.
-    """
-    taken = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return taken
 
 
 @contextlib.contextmanager
