@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import memfit  # noqa: E402
 from _results import write_section  # noqa: E402
-from memfit.estimation import estimate  # noqa: E402
+from memfit.estimator.estimate import estimate  # noqa: E402
 from memfit.units import format_size  # noqa: E402
 
 SIM = "sim:4GiB"
@@ -107,7 +107,7 @@ def llama_7b_cost() -> tuple[str, float, float, float]:
 
 def import_cost() -> float:
     """CPU seconds to import memfit's CLI, torch and transformers' Llama (the fixed part)."""
-    code = "import memfit.cli, memfit.zoo, transformers; from transformers import LlamaForCausalLM"
+    code = "import memfit.cli, memfit.workload.zoo, transformers; from transformers import LlamaForCausalLM"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run([sys.executable, "-c", code], check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

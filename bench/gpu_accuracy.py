@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import memfit
-from memfit.estimation import estimate
+from memfit.estimator.estimate import estimate
 from memfit.units import format_size
 
 OUT = Path(__file__).resolve().parent / "gpu_accuracy.json"

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from memfit.doctor import check_gpu_memory, diagnose  # noqa: E402
-from memfit.system import LiveProbe  # noqa: E402
+from memfit.environment.doctor import check_gpu_memory, diagnose  # noqa: E402
+from memfit.environment.system import LiveProbe  # noqa: E402
 from memfit.units import format_size  # noqa: E402
 
 COMMAND = "python bench/gpu_doctor.py --out bench/results"

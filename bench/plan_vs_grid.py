@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_section  # noqa: E402
 
 import memfit  # noqa: E402
-from memfit.planning import _checkpointing_modes, candidates, plan, trial  # noqa: E402
+from memfit.search.plan import _checkpointing_modes, candidates, plan, trial  # noqa: E402
 
 CASES = [
     ("mlp:layers=4,width=256,features=256", "sim:8MiB", 512),

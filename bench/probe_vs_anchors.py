@@ -47,12 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_section  # noqa: E402
 
 import memfit  # noqa: E402
-from memfit.measurement import measure  # noqa: E402
-from memfit.oom import release_cached_memory  # noqa: E402
-from memfit.probing import probe  # noqa: E402
-from memfit.settings import Settings  # noqa: E402
-from memfit.training import run_steps  # noqa: E402
-from memfit.workload import Workload  # noqa: E402
+from memfit.run.measure import measure  # noqa: E402
+from memfit.memory.oom import release_cached_memory  # noqa: E402
+from memfit.search.probe import probe  # noqa: E402
+from memfit.run.settings import Settings  # noqa: E402
+from memfit.run.steps import run_steps  # noqa: E402
+from memfit.workload.spec import Workload  # noqa: E402
 
 #: (workload, simulated GPU): budgets chosen for maxima from about 100 to a few thousand
 CASES: list[tuple[str, str]] = [

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from memfit.zoo import TINY as TINY_ZOO
+from memfit.workload.zoo import TINY as TINY_ZOO
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

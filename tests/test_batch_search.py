@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from memfit.batch_search import (
+from memfit.search.policy import (
     DEFAULT_CEILING,
     Outcome,
     SearchSpace,

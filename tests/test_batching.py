@@ -1,4 +1,4 @@
-"""memfit.batching: counting samples, splitting along dimension 0, joining outputs back."""
+"""memfit.guard.batching: counting samples, splitting along dimension 0, joining outputs back."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from memfit.batching import chunk_sizes, concat_outputs, count_samples, slice_batch, split_batch
+from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, slice_batch, split_batch
 from memfit.errors import MemfitError
 
 
@@ -83,7 +83,7 @@ def test_split_keeps_type_and_every_sample_once(name: str, size: int) -> None:
 
 
 def _flat(value: Any) -> list[torch.Tensor]:
-    from memfit.batching import _tensor_leaves
+    from memfit.guard.batching import _tensor_leaves
 
     return [tensor for _, tensor in _tensor_leaves(value)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.breakdown import analyze, classify, outlives_phase
+from memfit.estimator.breakdown import analyze, classify, outlives_phase
 from memfit.memory.allocator import MiB
 from memfit.memory.tracker import Labels
 

@@ -1,7 +1,7 @@
 """memfit doctor's checks: each finding's severity and fix line, from recorded NVML and torch answers.
 
 NVML and GPUs are what this machine cannot have, so their answers are recorded facts
-(:class:`memfit.system.RecordedProbe`); the live run on this machine is tested too.
+(:class:`memfit.environment.system.RecordedProbe`); the live run on this machine is tested too.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from memfit.doctor import (
+from memfit.environment.doctor import (
     Finding,
     TrainingHints,
     arch_supported,
@@ -36,7 +36,7 @@ from memfit.doctor import (
     pick_cuda_build,
     version_tuple,
 )
-from memfit.system import GpuInfo, GpuProcess, HostFacts, LiveProbe, NvidiaFacts, PythonFacts, RecordedProbe, TorchFacts
+from memfit.environment.system import GpuInfo, GpuProcess, HostFacts, LiveProbe, NvidiaFacts, PythonFacts, RecordedProbe, TorchFacts
 
 GiB = 2**30
 MiB = 2**20

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit import system
-from memfit.system import GpuInfo, GpuProcess, LiveProbe, NvidiaFacts, RecordedProbe, TorchFacts
+from memfit.environment import system
+from memfit.environment.system import GpuInfo, GpuProcess, LiveProbe, NvidiaFacts, RecordedProbe, TorchFacts
 
 GiB = 2**30
 A100 = GpuInfo(0, "NVIDIA A100-SXM4-80GB", "GPU-1", "00000000:07:00.0", 80 * GiB, 57 * GiB, 23 * GiB, (8, 0),

@@ -1,7 +1,7 @@
 """memfit env export / check: the files, the fingerprint, and what a difference means.
 
 The pip side is this venv's real distributions; conda's answer and other GPUs are recorded
-(:class:`memfit.system.RecordedProbe`), since this machine has neither.
+(:class:`memfit.environment.system.RecordedProbe`), since this machine has neither.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from importlib import metadata
 import pytest
 import torch
 
-from memfit.envfile import (
+from memfit.environment.envfile import (
     Difference,
     Distribution,
     Fingerprint,
@@ -32,7 +32,7 @@ from memfit.envfile import (
     torch_index_url,
 )
 from memfit.errors import MemfitError
-from memfit.system import GpuInfo, LiveProbe, NvidiaFacts, PythonFacts, RecordedProbe, TorchFacts
+from memfit.environment.system import GpuInfo, LiveProbe, NvidiaFacts, PythonFacts, RecordedProbe, TorchFacts
 
 GiB = 2**30
 

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.breakdown import Peak, analyze
+from memfit.estimator.breakdown import Peak, analyze
 from memfit.errors import MemfitError
-from memfit.batch_search import Outcome
-from memfit.estimation import apply_sharding, estimate, largest_fitting, resolve_target
-from memfit.memory.fake import UnsupportedOperation, run_fake_steps
+from memfit.search.policy import Outcome
+from memfit.estimator.estimate import apply_sharding, estimate, largest_fitting, resolve_target
+from memfit.estimator.fake import UnsupportedOperation, run_fake_steps
 from memfit.memory.gpus import lookup
-from memfit.sharding import bucket_sizes, shard_states, uses_ddp_buckets
+from memfit.estimator.sharding import bucket_sizes, shard_states, uses_ddp_buckets
 from memfit.units import GiB, KiB, MiB
 
 # mlp:layers=1,features=16,width=256,classes=16 at batch 256, by hand (fp32):

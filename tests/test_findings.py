@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memfit.findings import (
+from memfit.monitor.findings import (
     EXPANDABLE_SEGMENTS,
     analyze_steps,
     find_fragmentation,

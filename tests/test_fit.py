@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import memfit
-from memfit.lockfile import load_lock
+from memfit.search.lock import load_lock
 
 TINY = "mlp:layers=2,width=32,features=16"
 

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.batching import chunk_sizes
+from memfit.guard.batching import chunk_sizes
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.guard import (
+from memfit.guard.splitter import (
     Guard,
     GuardError,
     SplitPolicy,

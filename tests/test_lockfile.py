@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import memfit
-from memfit.envfile import Fingerprint, GpuFingerprint
+from memfit.environment.envfile import Fingerprint, GpuFingerprint
 from memfit.errors import MemfitError
-from memfit.lockfile import Lock, Measured, check_lock, load_lock, write_lock
-from memfit.settings import Settings
+from memfit.search.lock import Lock, Measured, check_lock, load_lock, write_lock
+from memfit.run.settings import Settings
 
 HERE = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.13.0+cpu", gpus=())
 A100 = GpuFingerprint("NVIDIA A100-SXM4-80GB", 85_000_000_000, "8.0")
@@ -122,7 +122,7 @@ def test_missing_lock(tmp_path, run_cli):
 
 
 def test_check_cli_exit_status(tmp_path, run_cli):
-    from memfit.envfile import fingerprint
+    from memfit.environment.envfile import fingerprint
 
     here = fingerprint()
     same = write_lock(make_lock(environment=here), tmp_path / "same.lock")

@@ -3,7 +3,7 @@
 import pytest
 
 import memfit
-from memfit.settings import Settings, find_blocks
+from memfit.run.settings import Settings, find_blocks
 
 BLOCKS4 = "mlp:layers=4,width=256,features=256"
 

@@ -6,9 +6,9 @@ import pytest
 
 import memfit
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.measurement import Measurement
-from memfit.planning import advice, candidates, divisors, dominates, plan
-from memfit.settings import Settings
+from memfit.run.measure import Measurement
+from memfit.search.plan import advice, candidates, divisors, dominates, plan
+from memfit.run.settings import Settings
 
 MLP = "mlp:layers=4,width=64,features=32"
 

@@ -23,7 +23,7 @@ TIMEOUT = 240
 WORKER = """
 import json, os, sys
 import torch.distributed as dist
-from memfit.probing import probe
+from memfit.search.probe import probe
 
 ref, specs, out = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
 rank = int(os.environ["RANK"])

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memfit.findings import Finding
-from memfit.measurement import Measurement
-from memfit.monitor import Monitor
-from memfit.report import html_table, is_byte_key, timeline_png, to_html, write_atomically, write_report
+from memfit.monitor.findings import Finding
+from memfit.run.measure import Measurement
+from memfit.monitor.monitor import Monitor
+from memfit.reporting.pages import html_table, is_byte_key, timeline_png, to_html, write_atomically, write_report
 
 MiB = 2**20
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -295,7 +295,7 @@ def test_write_atomically_replaces_and_leaves_no_temp_file(tmp_path):
 
 def test_results_show_as_tables_in_a_notebook():
     import memfit
-    from memfit.planning import plan
+    from memfit.search.plan import plan
 
     m = memfit.measure("mlp:layers=1,width=8,features=8", 4, "sim:64MiB")
     e = memfit.estimate("mlp:layers=1,width=8,features=8", 4, device="sim:64MiB")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.state import Snapshot, preserved, restore_rng, save_rng
+from memfit.run.state import Snapshot, preserved, restore_rng, save_rng
 
 
 def make_training_state() -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:

@@ -16,7 +16,7 @@ import pynvml
 import pytest
 import torch
 
-from memfit.system import (
+from memfit.environment.system import (
     GpuProcess,
     LiveProbe,
     PythonFacts,

@@ -7,7 +7,7 @@ import torch
 
 import memfit
 from memfit.errors import WorkloadError
-from memfit.zoo import ENTRIES, TINY as TINY_ZOO, parse_options
+from memfit.workload.zoo import ENTRIES, TINY as TINY_ZOO, parse_options
 
 WORKLOAD_SOURCE = textwrap.dedent(
     """

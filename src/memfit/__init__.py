@@ -28,51 +28,51 @@ _EXPORTS: dict[str, str] = {
     "DoesNotFitError": "memfit.errors",
     "parse_size": "memfit.units",
     "format_size": "memfit.units",
-    "is_oom": "memfit.oom",
-    "Workload": "memfit.workload",
-    "load_workload": "memfit.workload",
-    "Settings": "memfit.settings",
+    "is_oom": "memfit.memory.oom",
+    "Workload": "memfit.workload.spec",
+    "load_workload": "memfit.workload.spec",
+    "Settings": "memfit.run.settings",
     "Device": "memfit.memory.devices",
     "SimDevice": "memfit.memory.devices",
     "CudaDevice": "memfit.memory.devices",
     "device": "memfit.memory.devices",
-    "run_steps": "memfit.training",
-    "measure": "memfit.measurement",
-    "Measurement": "memfit.measurement",
+    "run_steps": "memfit.run.steps",
+    "measure": "memfit.run.measure",
+    "Measurement": "memfit.run.measure",
     # doctor and env
-    "diagnose": "memfit.doctor",
-    "Diagnosis": "memfit.doctor",
-    "TrainingHints": "memfit.doctor",
-    "fingerprint": "memfit.envfile",
-    "Fingerprint": "memfit.envfile",
-    "Difference": "memfit.envfile",
-    "compare": "memfit.envfile",
-    "check_environment": "memfit.envfile",
-    "export_environment": "memfit.envfile",
-    "load_fingerprint": "memfit.envfile",
+    "diagnose": "memfit.environment.doctor",
+    "Diagnosis": "memfit.environment.doctor",
+    "TrainingHints": "memfit.environment.doctor",
+    "fingerprint": "memfit.environment.envfile",
+    "Fingerprint": "memfit.environment.envfile",
+    "Difference": "memfit.environment.envfile",
+    "compare": "memfit.environment.envfile",
+    "check_environment": "memfit.environment.envfile",
+    "export_environment": "memfit.environment.envfile",
+    "load_fingerprint": "memfit.environment.envfile",
     # estimate, probe, guard
-    "estimate": "memfit.estimation",
-    "Estimate": "memfit.estimation",
-    "probe": "memfit.probing",
-    "ProbeResult": "memfit.probing",
-    "Guard": "memfit.guard",
+    "estimate": "memfit.estimator.estimate",
+    "Estimate": "memfit.estimator.estimate",
+    "probe": "memfit.search.probe",
+    "ProbeResult": "memfit.search.probe",
+    "Guard": "memfit.guard.splitter",
     # monitor and reports
-    "Monitor": "memfit.monitor",
-    "RecordedRun": "memfit.monitor",
-    "read_run": "memfit.monitor",
-    "analyze_steps": "memfit.findings",
-    "write_report": "memfit.report",
-    "ReportFiles": "memfit.report",
-    "to_html": "memfit.report",
+    "Monitor": "memfit.monitor.monitor",
+    "RecordedRun": "memfit.monitor.monitor",
+    "read_run": "memfit.monitor.monitor",
+    "analyze_steps": "memfit.monitor.findings",
+    "write_report": "memfit.reporting.pages",
+    "ReportFiles": "memfit.reporting.pages",
+    "to_html": "memfit.reporting.pages",
     # plan, fit and lock
-    "fit": "memfit.fitting",
-    "FitResult": "memfit.fitting",
-    "plan": "memfit.planning",
-    "Plan": "memfit.planning",
-    "Lock": "memfit.lockfile",
-    "load_lock": "memfit.lockfile",
-    "write_lock": "memfit.lockfile",
-    "check_lock": "memfit.lockfile",
+    "fit": "memfit.search.fit",
+    "FitResult": "memfit.search.fit",
+    "plan": "memfit.search.plan",
+    "Plan": "memfit.search.plan",
+    "Lock": "memfit.search.lock",
+    "load_lock": "memfit.search.lock",
+    "write_lock": "memfit.search.lock",
+    "check_lock": "memfit.search.lock",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -92,8 +92,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from memfit.doctor import Diagnosis, TrainingHints, diagnose
-    from memfit.envfile import (
+    from memfit.environment.doctor import Diagnosis, TrainingHints, diagnose
+    from memfit.environment.envfile import (
         Difference,
         Fingerprint,
         check_environment,
@@ -102,20 +102,20 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         fingerprint,
         load_fingerprint,
     )
-    from memfit.estimation import Estimate, estimate
-    from memfit.findings import analyze_steps
-    from memfit.fitting import FitResult, fit
-    from memfit.guard import Guard
-    from memfit.monitor import Monitor, RecordedRun, read_run
-    from memfit.probing import ProbeResult, probe
-    from memfit.report import ReportFiles, to_html, write_report
+    from memfit.estimator.estimate import Estimate, estimate
+    from memfit.monitor.findings import analyze_steps
+    from memfit.search.fit import FitResult, fit
+    from memfit.guard.splitter import Guard
+    from memfit.monitor.monitor import Monitor, RecordedRun, read_run
+    from memfit.search.probe import ProbeResult, probe
+    from memfit.reporting.pages import ReportFiles, to_html, write_report
     from memfit.errors import DeviceError, DoesNotFitError, MemfitError, WorkloadError
-    from memfit.lockfile import Lock, check_lock, load_lock, write_lock
-    from memfit.measurement import Measurement, measure
+    from memfit.search.lock import Lock, check_lock, load_lock, write_lock
+    from memfit.run.measure import Measurement, measure
     from memfit.memory.devices import CudaDevice, Device, SimDevice, device
-    from memfit.oom import is_oom
-    from memfit.planning import Plan, plan
-    from memfit.settings import Settings
-    from memfit.training import run_steps
+    from memfit.memory.oom import is_oom
+    from memfit.search.plan import Plan, plan
+    from memfit.run.settings import Settings
+    from memfit.run.steps import run_steps
     from memfit.units import format_size, parse_size
-    from memfit.workload import Workload, load_workload
+    from memfit.workload.spec import Workload, load_workload

@@ -1,0 +1,58 @@
+"""``memfit env export|check``: write files that reproduce this environment, and check one against it."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+from rich.text import Text
+
+from memfit.environment import system
+from memfit.cli.options import console, json_option, print_json
+from memfit.environment.envfile import check_environment, export_environment
+
+
+@click.group("env")
+def command() -> None:
+    """Export this environment (environment.yml, requirements.lock.txt, environment.json) or check one."""
+
+
+@command.command("export")
+@click.option("-o", "--output", "directory", default=".", show_default=True, metavar="DIR",
+              help="Directory to write the three files into.")
+@json_option
+def export(directory: str, as_json: bool) -> None:
+    """Write environment.yml, requirements.lock.txt (torch's CUDA variant kept) and environment.json."""
+    result = export_environment(directory, system.current_probe())
+    if as_json:
+        print_json(result.to_dict())
+        return
+    source = "conda env export + pip" if result.conda else "Python + pip"
+    for path in result.paths:
+        console.print(Text(f"wrote {path}"), soft_wrap=True)
+    console.print(Text(f"{result.packages} pip distributions; environment.yml from {source}"), soft_wrap=True)
+
+
+@command.command("check")
+@click.argument("path", metavar="ENVIRONMENT_JSON")
+@json_option
+def check(path: str, as_json: bool) -> int:
+    """List every difference between ENVIRONMENT_JSON and this machine.
+
+    Exit status 1 when one matters (torch, its CUDA, a GPU model, an older driver).
+    """
+    differences = check_environment(path, system.current_probe())
+    status = 1 if any(d.matters for d in differences) else 0
+    if as_json:
+        print_json({"exit_status": status, "differences": [d.to_dict() for d in differences]})
+        return status
+    if not differences:
+        console.print(Text(f"no difference from {path}"), soft_wrap=True)
+        return status
+    table = Table(title=f"memfit env check · {path} (recorded) vs here")
+    for column in ("field", "recorded", "here", "matters", "why"):
+        table.add_column(column)
+    for d in differences:
+        table.add_row(Text(d.field), Text(str(d.old)), Text(str(d.new)),
+                      Text("yes", style="bold red") if d.matters else Text("no"), Text(d.note))
+    console.print(table)
+    return status

@@ -1,0 +1,102 @@
+"""``memfit estimate``: predict peak memory, its breakdown and the largest batch, without a GPU."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from memfit.cli.options import console, json_option, make_settings, print_json, settings_options, workload_argument
+from memfit.estimator.estimate import Estimate, estimate
+from memfit.estimator.sharding import SHARDS
+from memfit.units import format_size
+
+
+@click.command("estimate")
+@workload_argument
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples per forward/backward pass on each GPU (default: the largest that fits).")
+@click.option("--gpu", default=None, metavar="NAME", help='A GPU model from the table, such as "RTX 3090" or a100-80gb.')
+@click.option("--memory", default=None, metavar="SIZE", help="A GPU whose PyTorch allocator may reserve SIZE.")
+@click.option("--device", "device_spec", default=None, metavar="sim:SIZE", help="The simulated GPU itself (no fixed costs).")
+@click.option("--fixed-costs", default=None, metavar="SIZE",
+              help="Override the CUDA context and workspace memory the allocator never sees.")
+@settings_options
+@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs training together.")
+@click.option("--shard", type=click.Choice(SHARDS), default="none", show_default=True,
+              help="Shard optimizer state (ZeRO-1), + gradients (ZeRO-2), or everything (ZeRO-3/FSDP).")
+@json_option
+def command(
+    workload: str,
+    batch_size: int | None,
+    gpu: str | None,
+    memory: str | None,
+    device_spec: str | None,
+    fixed_costs: str | None,
+    precision: str,
+    checkpointing: str,
+    world_size: int,
+    shard: str,
+    as_json: bool,
+) -> None:
+    """Predict the peak GPU memory of WORKLOAD's training step and what takes it.
+
+    Runs two optimizer steps on fake tensors (no memory, no arithmetic). With a target
+    (--gpu, --memory or --device sim:SIZE) it also finds the largest batch that fits.
+    """
+    result = estimate(
+        workload,
+        batch_size,
+        make_settings(precision, checkpointing),
+        gpu=gpu,
+        memory=memory,
+        device=device_spec,
+        world_size=world_size,
+        shard=shard,
+        fixed_costs=fixed_costs,
+    )
+    if as_json:
+        print_json(result.to_dict())
+        return
+    console.print(breakdown_table(result))
+    if result.top_modules:
+        console.print(modules_table(result))
+    console.print(summary_line(result))
+
+
+def breakdown_table(result: Estimate) -> Table:
+    """What holds the memory at the peak, one row per category."""
+    title = f"memfit estimate · {result.workload} · batch {result.batch_size} · {result.target}"
+    if result.world_size > 1:
+        title += f" · {result.world_size} ranks, shard {result.shard}"
+    table = Table(title=title)
+    table.add_column("at the peak")
+    table.add_column("memory", justify="right")
+    table.add_column("share", justify="right")
+    for name, nbytes in result.breakdown.items():
+        share = f"{100 * nbytes / result.total:.1f} %" if result.total else "-"
+        table.add_row(name, format_size(nbytes), share)
+    table.add_section()
+    table.add_row("peak allocated", format_size(result.peak_allocated), "")
+    table.add_row("peak reserved", format_size(result.peak_reserved), "")
+    table.add_row("[bold]total[/bold]", f"[bold]{format_size(result.total)}[/bold]", "")
+    return table
+
+
+def modules_table(result: Estimate) -> Table:
+    table = Table(title="modules holding the most activation memory")
+    table.add_column("module")
+    table.add_column("activations", justify="right")
+    for row in result.top_modules:
+        table.add_row(row["module"], format_size(row["bytes"]))
+    return table
+
+
+def summary_line(result: Estimate) -> str:
+    """One sentence: fits or not, and the largest batch."""
+    if result.memory is None:
+        return "No target memory given: add --gpu NAME, --memory SIZE or --device sim:SIZE for fits and max batch size."
+    verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
+    line = f"Batch {result.batch_size} {verdict} in {format_size(result.memory)} ({result.target})."
+    if result.max_batch_size is not None:
+        line += f" Largest batch that fits: {result.max_batch_size}."
+    return line

@@ -1,0 +1,102 @@
+"""``memfit plan``: the fastest settings that reach a target batch within memory."""
+
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from memfit.cli.options import (
+    console,
+    device_options,
+    err_console,
+    json_option,
+    print_json,
+    workload_argument,
+)
+from memfit.memory.devices import device
+from memfit.search.plan import Candidate, Plan, plan
+from memfit.run.settings import CHECKPOINTING, PRECISIONS
+from memfit.units import format_size
+from memfit.workload.spec import load_workload
+
+
+@click.command("plan")
+@workload_argument
+@click.option("--target-batch", "target", type=click.IntRange(min=1), required=True,
+              help="Global batch per optimizer step (micro-batch x accumulation x world size).")
+@device_options
+@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
+@click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
+              help="Precisions to consider (repeatable; default: all the device supports).")
+@click.option("--checkpointing", "checkpointing", type=click.Choice(CHECKPOINTING), multiple=True,
+              help="Checkpointing modes to consider (repeatable; default: all the model supports).")
+@click.option("--reference-batch", type=click.IntRange(min=1), default=None,
+              help="The batch your learning rate was tuned for (for scaling advice).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of memory against speed.")
+@json_option
+def command(
+    workload: str,
+    target: int,
+    device_spec: str,
+    memory: str | None,
+    world_size: int,
+    precisions: tuple[str, ...],
+    checkpointing: tuple[str, ...],
+    reference_batch: int | None,
+    plot: str | None,
+    as_json: bool,
+) -> None:
+    """Choose micro-batch, accumulation, precision and checkpointing that reach TARGET fastest."""
+    wl = load_workload(workload)
+    gpu = device(device_spec, memory=memory)
+
+    def progress(c: Candidate) -> None:
+        s = c.settings
+        err_console.print(f"  tried micro-batch {s.micro_batch_size} {s.precision} {s.checkpointing}: {c.status}")
+
+    result = plan(
+        wl, target, gpu, world_size=world_size, precisions=precisions or None,
+        checkpointing=checkpointing or None, reference_batch_size=reference_batch,
+        progress=None if as_json else progress,
+    )
+    if plot:
+        write_plot(result, plot)
+    if as_json:
+        print_json(result.to_dict())
+        return
+    print_plan(result)
+
+
+def write_plot(result: Plan, path: str) -> None:
+    """The plan's figure as a PNG (written atomically), or a one-line error without data."""
+    from pathlib import Path
+
+    from memfit.errors import MemfitError
+    from memfit.reporting.pages import plan_png, write_atomically
+
+    png = plan_png(result.to_dict())
+    if png is None:
+        raise MemfitError("no candidate was measured: nothing to plot")
+    write_atomically(Path(path), png)
+
+
+def print_plan(result: Plan) -> None:
+    """The candidates table, the recommendation and the advice."""
+    table = Table(title=f"memfit plan · {result.workload} → batch {result.target_batch_size} on {result.device}")
+    for column in ("micro", "accum", "precision", "checkpointing", "status", "peak reserved", "samples/s", "Pareto"):
+        table.add_column(column, justify="right")
+    front = {id(c) for c in result.pareto}
+    for c in result.candidates:
+        if c.status == "not run":
+            continue
+        s, m = c.settings, c.measurement
+        mark = "★" if c is result.recommended else ("•" if id(c) in front else "")
+        table.add_row(
+            str(s.micro_batch_size), str(s.accumulation_steps), s.precision, s.checkpointing, c.status,
+            format_size(m.peak_reserved) if m else "-",
+            f"{c.samples_per_second:.1f}" if c.samples_per_second else "-", mark,
+        )
+    console.print(table)
+    console.print(f"[bold]Recommended:[/bold] {result.reason}")
+    for note in result.advice:
+        console.print(f"  • {note}")

@@ -1,0 +1,178 @@
+"""``memfit probe``: find the largest batch that fits, and the one to use, by trial.
+
+A progress line per trial goes to stderr; the table of trials (or ``--json``) to stdout;
+``--plot FILE.png`` draws peak memory and samples/s against the batch size with the
+device's capacity as a line. Under torchrun (WORLD_SIZE > 1) every rank probes its own
+GPU (``cuda:LOCAL_RANK``), all agree on the smallest answer, and only rank 0 prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from memfit import distributed
+from memfit.cli.options import (
+    console,
+    device_options,
+    err_console,
+    json_option,
+    make_settings,
+    print_json,
+    settings_options,
+    workload_argument,
+)
+from memfit.errors import MemfitError
+from memfit.integrations.torchrun import process_group, rank_device
+from memfit.run.measure import Measurement
+from memfit.memory.devices import Device, device as make_device
+from memfit.search.probe import ProbeResult, probe
+from memfit.units import format_size
+from memfit.workload.spec import load_workload
+
+#: the bar's length: the search usually proves its answer within this many trials
+EXPECTED_TRIALS = 10
+
+
+@click.command("probe")
+@workload_argument
+@device_options
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="Largest batch to consider.")
+@click.option("--multiple-of", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Only batch sizes that are multiples of K (8 suits tensor cores).")
+@click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
+              help="Fraction of memory the recommended batch leaves free.")
+@click.option("--guess", type=click.IntRange(min=1), default=None,
+              help="A predicted maximum, tried first (default: memfit estimate's, when the memory is known).")
+@click.option("--no-estimate", is_flag=True, help="Search from batch 1 instead of starting at the estimate.")
+@settings_options
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="FILE.png", help="Draw memory and samples/s against batch size.")
+@json_option
+def command(
+    workload: str,
+    device_spec: str,
+    memory: str | None,
+    max_batch_size: int | None,
+    multiple_of: int,
+    headroom: float,
+    guess: int | None,
+    no_estimate: bool,
+    precision: str,
+    checkpointing: str,
+    plot_path: Path | None,
+    as_json: bool,
+) -> None:
+    """Find the largest batch of WORKLOAD that fits on the device (exact), and the one to use.
+
+    Each trial runs two optimizer steps; an out-of-memory is a trial result.
+    """
+    if plot_path is not None and plot_path.suffix.lower() != ".png":
+        raise MemfitError(f"--plot {plot_path}: the file name must end in .png")
+    wl = load_workload(workload)
+    settings = make_settings(precision, checkpointing)
+    with process_group():
+        gpu = make_device(rank_device(device_spec), memory=memory)
+        main = distributed.is_main_process()
+        with _progress_bar(enabled=main) as progress:
+            result = probe(
+                wl, gpu, settings,
+                max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
+                guess=guess if guess is not None or no_estimate else "estimate",
+                progress=progress,
+            )
+    if not main:
+        return
+    if plot_path is not None:
+        from memfit.reporting.pages import probe_png, write_atomically
+
+        write_atomically(plot_path, probe_png(result.to_dict()) or b"")
+    if as_json:
+        print_json(result.to_dict())
+        return
+    console.print(trials_table(result, gpu))
+    console.print(summary(result))
+    if plot_path is not None:
+        console.print(f"plot: {plot_path}")
+
+
+def trials_table(result: ProbeResult, gpu: Device) -> Table:
+    """One row per trial, in the order they ran."""
+    table = Table(title=f"memfit probe · {result.workload} on {gpu.describe()}")
+    for column in ("#", "batch size", "fits", "peak allocated", "peak reserved", "of capacity", "samples/s"):
+        table.add_column(column, justify="right")
+    for index, trial in enumerate(result.trials, 1):
+        share = f"{trial.peak_reserved / result.capacity:.0%}" if result.capacity else "-"
+        table.add_row(
+            str(index),
+            str(trial.batch_size),
+            "yes" if trial.fits else "[red]no[/red]",
+            format_size(trial.peak_allocated),
+            format_size(trial.peak_reserved),
+            share if trial.fits else "-",
+            f"{trial.samples_per_second:.1f}" if trial.samples_per_second else "-",
+        )
+    return table
+
+
+def summary(result: ProbeResult) -> str:
+    """The answer in three lines."""
+    bound = (
+        f"{result.max_batch_size + result.multiple_of} does not fit"
+        if result.limit == "memory"
+        else "the --max-batch-size bound"
+    )
+    ranks = f" (smallest over {result.world_size} ranks)" if result.world_size > 1 else ""
+    return (
+        f"largest batch that fits: [bold]{result.max_batch_size}[/bold]{ranks} ({bound})\n"
+        f"recommended batch: [bold]{result.recommended_batch_size}[/bold]: {result.reason}\n"
+        f"{len(result.trials)} trials, {result.trial_steps} optimizer steps"
+    )
+
+
+@contextmanager
+def _progress_bar(enabled: bool) -> Iterator[object]:
+    """A rich progress bar over trials on stderr (started at the first trial), or None.
+
+    Why started late: an argument error raised before any trial must print its one line
+    and nothing else.
+    """
+    if not enabled:
+        yield None
+        return
+    bar = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed} trials"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
+    task = bar.add_task("probing", total=EXPECTED_TRIALS)
+    started = False
+
+    def update(batch_size: int, measurement: Measurement | None) -> None:
+        nonlocal started
+        if not started:
+            bar.start()
+            started = True
+        if measurement is None:
+            bar.update(task, description=f"batch {batch_size}")
+            return
+        verdict = "fits" if measurement.fits else "out of memory"
+        done = bar.tasks[task].completed + 1
+        bar.update(task, completed=done, total=max(EXPECTED_TRIALS, done + 1), description=f"batch {batch_size}: {verdict}")
+
+    try:
+        yield update
+    finally:
+        if started:
+            bar.stop()
+
+

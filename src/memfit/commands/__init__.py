@@ -1,1 +1,0 @@
-"""One module per ``memfit`` subcommand; :mod:`memfit.cli` lists them."""

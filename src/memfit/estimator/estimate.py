@@ -1,0 +1,293 @@
+"""Predict a training step's peak GPU memory, its breakdown and the largest batch that
+fits, for any GPU, without one.
+
+Method: two full optimizer steps of the workload run on fake tensors
+(:mod:`memfit.estimator.fake`: the same :func:`~memfit.run.steps.run_steps`, storage tracker
+and caching-allocator model as the simulated GPU, no real memory, no arithmetic), with
+the target's memory as the allocator's budget. The recorded allocations and frees are
+replayed (:mod:`memfit.estimator.breakdown`) to find the peak and what holds it.
+
+The target:
+
+- ``device="sim:8GiB"`` (or a :class:`~memfit.memory.devices.SimDevice`): the simulated
+  GPU itself, no fixed costs, the optimizer's CPU implementation, so the estimate equals
+  what ``memfit measure --device sim:8GiB`` measures;
+- ``gpu="RTX 3090"``: a card from :mod:`memfit.memory.gpus`; its usable memory less the
+  fixed costs the allocator never sees (CUDA context, cuBLAS workspace; override with
+  ``fixed_costs=``) is the allocator's budget, and optimizers use their CUDA default
+  (foreach);
+- ``memory="16GiB"``: a CUDA GPU whose allocator may reserve that much (fixed costs
+  only when given);
+- nothing: an unlimited CUDA GPU (no ``fits``, no ``max_batch_size``).
+
+``total`` = peak reserved + fixed costs; ``fits`` means the steps ran within the budget;
+``max_batch_size`` is found by fake runs at growing batch sizes (doubling, then
+bisection). With ``world_size > 1`` the one-GPU breakdown is divided as
+:mod:`memfit.estimator.sharding` documents (ZeRO-1/2/3, FSDP; DDP buckets), the allocator overhead
+of the one-GPU run kept, and ``fits`` is ``total <= memory``.
+
+>>> est = estimate("mlp:layers=1,width=16,features=16", batch_size=2, device="sim:64MiB", search=False)
+>>> est.fits, est.total == est.peak_reserved
+(True, True)
+>>> sum(est.breakdown[c] for c in ("parameters", "gradients", "optimizer state", "activations", "temporaries")) == est.peak_allocated
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from memfit.estimator import sharding
+from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
+from memfit.search.policy import Outcome, SearchSpace, answer, run_search
+from memfit.errors import MemfitError
+from memfit.memory.allocator import CachingAllocatorModel
+from memfit.memory.devices import Device, SimDevice, device as make_device
+from memfit.estimator.fake import run_fake_steps
+from memfit.memory.gpus import GPU, fixed_costs as gpu_fixed_costs, lookup
+from memfit.run.settings import Settings
+from memfit.units import format_size, parse_size
+from memfit.workload.spec import Workload, load_workload
+
+__all__ = ["estimate", "Estimate", "Target", "resolve_target", "largest_fitting", "apply_sharding"]
+
+#: the largest batch the search tries (a guard against a workload whose memory does not grow)
+MAX_SEARCH = 1 << 20
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the estimate is for: its name, memory, fixed costs and optimizer flavour."""
+
+    name: str
+    memory: int | None
+    fixed: dict[str, int] = field(default_factory=dict)
+    cuda: bool = True  # optimizers take their CUDA default (foreach)
+    bf16: bool = True
+
+    @property
+    def fixed_total(self) -> int:
+        return sum(self.fixed.values())
+
+    @property
+    def budget(self) -> int | None:
+        """What the caching allocator may reserve: the memory less the fixed costs."""
+        return None if self.memory is None else self.memory - self.fixed_total
+
+
+def resolve_target(
+    gpu: str | GPU | None = None,
+    memory: int | str | None = None,
+    device: str | Device | None = None,
+    fixed_costs: int | str | None = None,
+) -> Target:
+    """The target from the one of ``gpu``, ``memory`` or ``device`` that is given."""
+    given = [name for name, value in (("gpu", gpu), ("memory", memory), ("device", device)) if value is not None]
+    if len(given) > 1:
+        raise MemfitError(f"give one target, not {' and '.join(given)}: --gpu NAME, --memory SIZE or --device sim:SIZE")
+    fixed_override = None if fixed_costs is None else _parse_fixed(fixed_costs)
+    if gpu is not None:
+        card = gpu if isinstance(gpu, GPU) else lookup(gpu)
+        fixed = gpu_fixed_costs(card) if fixed_override is None else {"fixed costs": fixed_override}
+        return Target(card.name, card.memory, fixed, cuda=True, bf16=card.bf16)
+    if memory is not None:
+        size = parse_size(memory)
+        fixed = {"fixed costs": fixed_override} if fixed_override else {}
+        return Target(f"{format_size(size)} GPU", size, fixed, cuda=True)
+    if device is not None:
+        dev = make_device(device)
+        if isinstance(dev, SimDevice):
+            return Target(dev.spec, dev.capacity, {}, cuda=False)
+        fixed = {"fixed costs": fixed_override} if fixed_override else {}
+        return Target(dev.describe(), dev.capacity, fixed, cuda=True, bf16=dev.supports("bf16"))
+    fixed = {"fixed costs": fixed_override} if fixed_override else {}
+    return Target("CUDA GPU (no memory given)", None, fixed, cuda=True)
+
+
+def _parse_fixed(value: int | str) -> int:
+    if isinstance(value, int) and value == 0:
+        return 0
+    if isinstance(value, str) and value.strip() == "0":
+        return 0
+    return parse_size(value)
+
+
+@dataclass
+class Estimate:
+    """A prediction for one batch size on one target. Bytes are ints."""
+
+    workload: str
+    batch_size: int
+    settings: dict[str, Any]
+    target: str
+    memory: int | None
+    peak_allocated: int
+    peak_reserved: int
+    fixed_costs: dict[str, int]
+    total: int
+    breakdown: dict[str, int]
+    top_modules: list[dict[str, Any]]
+    fits: bool | None
+    max_batch_size: int | None
+    world_size: int = 1
+    shard: str = "none"
+
+    def _repr_html_(self) -> str:
+        """A table in Jupyter."""
+        from memfit.reporting.pages import to_html
+
+        return to_html(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def largest_fitting(
+    trial: Callable[[int], Outcome], capacity: int | None, limit: int = MAX_SEARCH, guess: int | None = None
+) -> int:
+    """The largest batch in 1..limit that fits (0 if none), for memory monotone in the batch.
+
+    Why probe's search policy: each call is a fake run, and memory is close to linear in
+    the batch, so jumping along the line between fitting runs proves the boundary in a
+    handful of runs, where doubling and bisection take about 2·log2(answer).
+    """
+    space = SearchSpace(capacity=capacity, max_batch_size=limit, guess=guess)
+    return answer(space, run_search(space, trial))
+
+
+def apply_sharding(peak: Peak, world_size: int, shard: str) -> tuple[dict[str, int], int, int]:
+    """Per-rank (categories, peak allocated, peak reserved) from a one-GPU peak.
+
+    The states are divided as :func:`memfit.estimator.sharding.shard_states` says; DDP buckets are
+    allocated through a fresh allocator model and added; the one-GPU allocator overhead
+    (reserved − allocated) is kept.
+    """
+    categories = dict(peak.categories)
+    params, grads, states = categories["parameters"], categories["gradients"], categories["optimizer state"]
+    categories["parameters"], categories["gradients"], categories["optimizer state"] = sharding.shard_states(
+        params, grads, states, world_size=world_size, shard=shard
+    )
+    bucket_allocated = bucket_reserved = 0
+    if sharding.uses_ddp_buckets(world_size, shard):
+        allocator = CachingAllocatorModel(budget=None)
+        for size in sharding.bucket_sizes(peak.gradient_sizes):
+            allocator.malloc(size)
+        bucket_allocated, bucket_reserved = allocator.allocated, allocator.reserved
+        categories["ddp buckets"] = bucket_allocated
+    allocated = sum(categories.values())
+    reserved = allocated + (peak.peak_reserved - peak.peak_allocated) + (bucket_reserved - bucket_allocated)
+    return categories, allocated, reserved
+
+
+class _Prediction:
+    """One batch size on the target: whether it fits, and (on demand) its breakdown.
+
+    Why lazy: the batch-size search needs only ``fits``; the replay, and the unlimited
+    re-run that says what a batch that does not fit would need, are for the batch shown.
+    """
+
+    def __init__(self, workload: Workload, settings: Settings, target: Target, budget: int | None) -> None:
+        if budget is not None and budget <= 0:
+            raise MemfitError(f"the fixed costs ({format_size(target.fixed_total)}) leave no memory on {target.name}")
+        self._workload, self._settings, self._target = workload, settings, target
+        self._run = run_fake_steps(workload, settings, foreach=target.cuda, budget=budget)
+        self._budget = budget
+        self.fits = self._run.fits
+        #: the allocator model's peak reserved bytes of the budgeted run (what the search needs)
+        self.peak_reserved = self._run.peak_reserved
+        self._peak: Peak | None = None
+
+    @property
+    def peak(self) -> Peak:
+        if self._peak is None:
+            if not self._run.fits:
+                # What a batch that does not fit would need: the same steps without a limit.
+                self._run = run_fake_steps(self._workload, self._settings, foreach=self._target.cuda, budget=None)
+                self._budget = None
+            self._peak = analyze(self._run.events, budget=self._budget)
+            self._run.events = []  # the replay is done: let the events go
+        return self._peak
+
+
+def estimate(
+    workload: Workload | str,
+    batch_size: int | None = None,
+    settings: Settings | None = None,
+    *,
+    gpu: str | GPU | None = None,
+    memory: int | str | None = None,
+    device: str | Device | None = None,
+    world_size: int = 1,
+    shard: str = "none",
+    fixed_costs: int | str | None = None,
+    search: bool = True,
+    search_limit: int | None = None,
+) -> Estimate:
+    """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
+
+    ``batch_size`` is the micro-batch (samples per forward/backward) on each rank. Without
+    it, on a target with memory, the estimate is at the largest batch that fits (or at 1
+    when none does); without memory, at 1. ``search=False`` skips the search for
+    ``max_batch_size`` when ``batch_size`` is given; ``search_limit`` bounds it (a batch
+    nobody would use need not be proven: the limit is tried first, and when it fits the
+    search ends at once).
+    """
+    wl = load_workload(workload)
+    settings = settings or Settings()
+    sharding.check(world_size, shard)
+    if batch_size is not None and batch_size < 1:
+        raise MemfitError(f"invalid batch size {batch_size}: must be at least 1")
+    target = resolve_target(gpu, memory, device, fixed_costs)
+    if settings.precision == "bf16" and not target.bf16:
+        raise MemfitError(f"{target.name} does not support bf16: use --precision fp16 or fp32")
+    sharded = world_size > 1
+    cache: dict[int, _Prediction] = {}
+
+    def predict(b: int) -> _Prediction:
+        # Sharded: the one-GPU run is unlimited, and the divided total decides.
+        if b not in cache:
+            budget = None if sharded else target.budget
+            cache[b] = _Prediction(wl, settings.replace(micro_batch_size=b), target, budget)
+        return cache[b]
+
+    def outcome(b: int) -> Outcome:
+        prediction = predict(b)
+        if not sharded:
+            return Outcome(b, prediction.fits, prediction.peak_reserved if prediction.fits else 0)
+        _, _, reserved = apply_sharding(prediction.peak, world_size, shard)
+        total = reserved + target.fixed_total
+        return Outcome(b, target.memory is not None and total <= target.memory, total)
+
+    max_batch = None
+    if target.memory is not None and (batch_size is None or search):
+        capacity = target.memory if sharded else target.budget
+        if search_limit is not None:
+            max_batch = largest_fitting(outcome, capacity, limit=search_limit, guess=search_limit)
+        else:
+            max_batch = largest_fitting(outcome, capacity)
+    chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
+    prediction = predict(chosen)
+    categories, allocated, reserved = apply_sharding(prediction.peak, world_size, shard)
+    total = reserved + target.fixed_total
+    breakdown = {name: categories.get(name, 0) for name in (*CATEGORIES, "ddp buckets") if name in categories}
+    breakdown["allocator overhead"] = reserved - allocated
+    breakdown["fixed costs"] = target.fixed_total
+    return Estimate(
+        workload=wl.name,
+        batch_size=chosen,
+        settings=settings.replace(micro_batch_size=chosen).to_dict(),
+        target=target.name,
+        memory=target.memory,
+        peak_allocated=allocated,
+        peak_reserved=reserved,
+        fixed_costs=dict(target.fixed),
+        total=total,
+        breakdown=breakdown,
+        top_modules=[{"module": name, "bytes": nbytes} for name, nbytes in prediction.peak.top_modules],
+        fits=outcome(chosen).fits if target.memory is not None else None,
+        max_batch_size=max_batch,
+        world_size=world_size,
+        shard=shard,
+    )

@@ -1,0 +1,871 @@
+"""memfit guard: survive an OOM in training by splitting the batch, with the same update.
+
+A run that dies at epoch 3 because one batch held the longest sequences is the most
+expensive OOM there is. The guard runs each optimizer step over the whole batch first;
+when forward or backward runs out of memory it throws away the batch's partial
+gradients, halves the micro-batch and runs the same batch again in micro-batches whose
+losses are weighted by their share of the samples (or of ``weight``), so the gradient,
+and the update, equal the whole batch's. No sample is dropped or counted twice, the
+learning-rate schedule and the step count are untouched, and the smaller size stays
+for the next steps (``grow_after=K`` tries a larger one again after K clean steps).
+
+Three layers, each usable alone:
+
+- the policy (:class:`SplitPolicy`, :func:`halve`, :func:`grow`): which micro-batch size
+  to run, pure arithmetic;
+- :class:`Splitter`: run one batch through a ``forward_backward(micro_batch, share)``
+  function in micro-batches with OOM recovery, gradients discarded between attempts and,
+  under DDP, every rank agreeing and gradients averaged once per step. It owns no
+  optimizer, so a Lightning or transformers integration can call it from its own loop;
+- :class:`Guard`: a training step for a plain loop: the splitter, then ``optimizer.step()``
+  (through the ``GradScaler`` if given) and ``zero_grad``.
+
+>>> import torch
+>>> from memfit.guard.splitter import Guard
+>>> _ = torch.manual_seed(0)
+>>> model = torch.nn.Linear(4, 1)
+>>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> def loss_fn(model, batch):
+...     inputs, targets = batch
+...     return torch.nn.functional.mse_loss(model(inputs), targets)
+>>> guard = Guard(model, optimizer, loss_fn)
+>>> loss = guard.step((torch.randn(8, 4), torch.randn(8, 1)))
+>>> guard.micro_batch_size, guard.accumulation, guard.events
+(None, 1, [])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit import distributed
+from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, split_batch
+from memfit.errors import DoesNotFitError, MemfitError
+from memfit.memory.devices import Device
+from memfit.memory.oom import is_oom, release_cached_memory
+from memfit.units import format_size
+
+__all__ = [
+    "Guard",
+    "Splitter",
+    "SplitPolicy",
+    "SplitResult",
+    "OOMEvent",
+    "GuardError",
+    "halve",
+    "grow",
+    "expected_optimizer_state_bytes",
+]
+
+ForwardBackward = Callable[[Any, float], "torch.Tensor | float"]
+SplitFn = Callable[[Any, int], Sequence[Any]]
+WeightFn = Callable[[Any], "float | int | torch.Tensor"]
+
+# An int larger than any micro-batch size or rank: "no OOM here" in a minimum over ranks.
+_NONE = 2**62
+_WHERE = ("forward", "backward")
+
+
+# -- the policy: which micro-batch size to run ------------------------------------------------
+
+
+def halve(size: int) -> int:
+    """The micro-batch size after an OOM at ``size``: half, rounded up.
+
+    Why rounded up: 7 samples run as 4 + 3 in two passes, not as 3 + 3 + 1 in three.
+
+    >>> [halve(s) for s in (8, 7, 2)]
+    [4, 4, 1]
+    """
+    if size <= 1:
+        raise ValueError("a micro-batch of one sample cannot be halved")
+    return (size + 1) // 2
+
+
+def grow(limit: int, samples: int) -> int | None:
+    """The next larger micro-batch size to try: double; None once that covers the batch.
+
+    Why doubling: it undoes one halving, so the guard climbs back the way it came down.
+
+    >>> grow(4, 16), grow(8, 16)
+    (8, None)
+    """
+    doubled = limit * 2
+    return None if doubled >= samples else doubled
+
+
+@dataclass
+class SplitPolicy:
+    """The micro-batch limit and how it changes: halve on an OOM, grow after clean steps.
+
+    ``limit=None`` runs whole batches. ``grow_after=K``: after K steps without an OOM the
+    limit doubles (a size that then runs out of memory is simply halved again).
+    """
+
+    limit: int | None = None
+    grow_after: int | None = None
+    clean_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise MemfitError(f"invalid micro-batch size {self.limit}: must be at least 1")
+        if self.grow_after is not None and self.grow_after < 1:
+            raise MemfitError(f"invalid grow_after={self.grow_after}: must be at least 1 step")
+
+    def size_for(self, samples: int) -> int:
+        """The micro-batch size to run a batch of ``samples`` at."""
+        return samples if self.limit is None else min(self.limit, samples)
+
+    def shrink(self, failed_size: int) -> int:
+        """Halve after an OOM at ``failed_size``; return the new limit."""
+        self.limit = halve(failed_size)
+        self.clean_steps = 0
+        return self.limit
+
+    def finish_step(self, samples: int, had_oom: bool) -> bool:
+        """Count a finished step; return True when the limit grew."""
+        if had_oom or self.limit is None or self.grow_after is None:
+            self.clean_steps = 0
+            return False
+        self.clean_steps += 1
+        if self.clean_steps < self.grow_after:
+            return False
+        self.limit = grow(self.limit, samples)
+        self.clean_steps = 0
+        return True
+
+
+# -- what the guard reports --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OOMEvent:
+    """One out-of-memory error the guard recovered from (or gave up on).
+
+    ``where`` is ``forward`` or ``backward`` (on rank ``rank``), or ``predict``;
+    ``micro_batch_index`` is the micro-batch that failed on this rank (None when another
+    rank failed); ``allocated`` and ``reserved`` are this rank's device memory at the time
+    (None when the device does not report memory, such as a plain CPU).
+    """
+
+    step: int
+    micro_batch_before: int
+    micro_batch_after: int | None
+    where: str
+    rank: int
+    micro_batch_index: int | None
+    allocated: int | None
+    reserved: int | None
+
+    def describe(self) -> str:
+        """One line for a log."""
+        place = self.where if self.micro_batch_index is None else f"{self.where} of micro-batch {self.micro_batch_index}"
+        memory = ""
+        if self.allocated is not None and self.reserved is not None:
+            memory = f" ({format_size(self.allocated)} allocated, {format_size(self.reserved)} reserved)"
+        after = "gave up" if self.micro_batch_after is None else f"micro-batch {self.micro_batch_before} -> {self.micro_batch_after}"
+        return f"memfit guard: out of memory at step {self.step} in {place} on rank {self.rank}{memory}; {after}"
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """What one batch took: its loss, the samples used, and how it was split."""
+
+    loss: float
+    samples: int
+    micro_batch_size: int
+    micro_batches: int
+    attempts: int
+
+
+class GuardError(DoesNotFitError):
+    """An OOM that splitting cannot fix: at micro-batch size 1, or in ``optimizer.step()``."""
+
+    def __init__(self, message: str, breakdown: dict[str, int | None] | None = None) -> None:
+        super().__init__(message)
+        #: bytes by category at the time of the OOM (None where unknown)
+        self.breakdown = breakdown or {}
+
+
+@dataclass
+class _Failure:
+    """An OOM caught in an attempt, kept as plain values (no traceback, no tensors)."""
+
+    index: int
+    where: str
+    allocated: int | None
+    reserved: int | None
+
+
+@dataclass
+class _Attempt:
+    loss: float | torch.Tensor = 0.0
+    samples: int = 0
+    micro_batches: int = 0
+    failure: _Failure | None = None
+
+
+@dataclass
+class _Verdict:
+    """What every rank agreed after an attempt."""
+
+    failed_size: int | None  # the smallest size that ran out of memory on some rank
+    failed_rank: int
+    where: str
+    grad_anywhere: list[bool] = field(default_factory=list)
+
+
+# -- small helpers ---------------------------------------------------------------------------
+
+
+def _where_raised(tb: TracebackType | None) -> str:
+    """``backward`` when the error came out of the autograd engine, else ``forward``.
+
+    Why the traceback: a ``forward_backward`` function is one call, but every backward
+    pass (``loss.backward()``, ``torch.autograd.backward``/``grad``) goes through
+    torch.autograd's engine entry, which stays on the traceback whatever raised inside.
+    """
+    for frame, _ in traceback.walk_tb(tb):
+        code = frame.f_code
+        filename = code.co_filename.replace("\\", "/")
+        if code.co_name == "_engine_run_backward" or (
+            "torch/autograd/" in filename and code.co_name in ("backward", "grad")
+        ):
+            return "backward"
+    return "forward"
+
+
+def set_aside_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None] | None:
+    """Take the gradients out (``.grad`` becomes None) and return them (None when there were none).
+
+    Why: an OOM must discard only this batch's partial gradients. With the old ones set
+    aside, "discard" is "set to None", and they are added back after a successful batch.
+    The Lightning integration uses it to keep the guard's gradient out of Lightning's
+    ``zero_grad``.
+    """
+    if all(p.grad is None for p in params):
+        return None
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return kept
+
+
+def _drop_gradients(params: Sequence[nn.Parameter]) -> None:
+    """Forget this batch's partial gradients (their memory goes back at once)."""
+    for p in params:
+        p.grad = None
+
+
+def add_gradients(params: Sequence[nn.Parameter], gradients: Sequence[torch.Tensor | None] | None) -> None:
+    """Add gradients set aside (by :func:`set_aside_gradients`) back onto ``.grad``,
+    adopting them where ``.grad`` is None. The integrations use it too."""
+    if gradients is None:
+        return
+    for p, old in zip(params, gradients):
+        if old is None:
+            continue
+        if p.grad is None:
+            p.grad = old
+        else:
+            p.grad.add_(old)
+
+
+def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    return model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+
+
+@contextlib.contextmanager
+def _no_collectives_in_forward_backward(model: nn.Module) -> Iterator[None]:
+    """Under DDP: accumulate gradients locally and skip the buffer broadcast in forward.
+
+    Why: DDP all-reduces gradients inside backward and broadcasts buffers at the start of
+    forward. A rank that runs out of memory mid-batch stops calling them, and the others
+    wait forever. With both off, forward and backward are local; the guard agrees and
+    synchronises after the attempt.
+    """
+    ddp = _ddp(model)
+    if ddp is None:
+        yield
+        return
+    broadcast = ddp.broadcast_buffers
+    ddp.broadcast_buffers = False
+    try:
+        with ddp.no_sync():
+            yield
+    finally:
+        ddp.broadcast_buffers = broadcast
+
+
+def _reset_scaler_step_state(scaler: torch.amp.GradScaler) -> None:
+    """Forget what the GradScaler recorded for this step (unscaled? inf found?).
+
+    Why: those records describe gradients the guard just threw away; the step that
+    follows must start as if nothing had been unscaled. ``update()`` does the same reset.
+    """
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is not None:
+        states.clear()
+
+
+def _tensor_bytes(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                yield value
+
+
+#: tensors of optimizer state per parameter, for the common optimizers
+_STATES_PER_PARAMETER = {
+    "Adam": 2,
+    "AdamW": 2,
+    "Adamax": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adagrad": 1,
+    "RMSprop": 1,
+    "Adadelta": 2,
+}
+
+
+def expected_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
+    """The optimizer state a full step needs, before the first step has made it.
+
+    Why: an OOM in the very first ``optimizer.step()`` is the optimizer allocating its
+    state; the error should say how much that state is. Known for torch's optimizers
+    (AdamW: two tensors per parameter; SGD: one with momentum, none without); None else.
+    """
+    name = type(optimizer).__name__
+    if name == "SGD":
+        per = 1 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
+    else:
+        per = _STATES_PER_PARAMETER.get(name)
+    if per is None:
+        return None
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    return per * _tensor_bytes(params)
+
+
+# -- the splitter: one batch, in micro-batches, with OOM recovery --------------------------
+
+
+class Splitter:
+    """Run batches through ``forward_backward`` in micro-batches, recovering from OOMs.
+
+    ``forward_backward(micro_batch, share)`` must run forward and backward on the
+    micro-batch with its loss multiplied by ``share`` before ``backward()``, and return
+    the micro-batch's own (unweighted) loss. ``share`` is the micro-batch's fraction of
+    the samples, or ``weight(micro_batch) / weight(batch)``; the shares sum to 1, so the
+    accumulated gradient is the whole batch's.
+
+    After a successful :meth:`run` the parameters' ``.grad`` hold the whole batch's
+    gradient (plus whatever gradient they held before, which an OOM never touches);
+    under DDP it is already averaged over the ranks. The caller steps the optimizer.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        split: SplitFn | None = None,
+        weight: WeightFn | None = None,
+        grow_after: int | None = None,
+        micro_batch_size: int | None = None,
+        device: Device | None = None,
+        logger: logging.Logger | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        on_discard: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.split = split
+        self.weight = weight
+        self.policy = SplitPolicy(limit=micro_batch_size, grow_after=grow_after)
+        self.predict_policy = SplitPolicy(limit=micro_batch_size)
+        self.device = device
+        self.logger = logger
+        self.optimizer = optimizer
+        self.on_discard = on_discard
+        # Read once, as an optimizer does: walking the module tree every step costs more
+        # than everything else the guard does. Frozen parameters simply have no gradient.
+        self.params: list[nn.Parameter] = list(model.parameters())
+        self.events: list[OOMEvent] = []
+        self.steps = 0
+        self.last: SplitResult | None = None
+        self._warned_batchnorm = False
+
+    # -- what callers read -------------------------------------------------------------
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The largest micro-batch the next step runs (None: whole batches)."""
+        return self.policy.limit
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches the last step ran (1 before the first step)."""
+        return self.last.micro_batches if self.last else 1
+
+    # -- one training batch ----------------------------------------------------------------
+
+    def run(self, batch: Any, forward_backward: ForwardBackward) -> SplitResult:
+        """Forward and backward over the whole batch, splitting it as often as OOMs demand.
+
+        In a process group every rank must call this for every step (it is a collective).
+        """
+        samples = self._count(batch)
+        total_weight = self._total_weight(batch)
+        params = self.params
+        self._broadcast_buffers()
+        kept = set_aside_gradients(params)
+        attempts = 0
+        had_oom = False
+        finished = False
+        try:
+            with _no_collectives_in_forward_backward(self.model):
+                while True:
+                    size = self.policy.size_for(samples)
+                    attempts += 1
+                    attempt = self._attempt(batch, samples, size, total_weight, forward_backward)
+                    verdict = self._agree(attempt.failure, size, params)
+                    if verdict.failed_size is None:
+                        break
+                    had_oom = True
+                    self._recover(verdict, attempt.failure, params, kept)
+                    del attempt
+            self._average_gradients(params, verdict)
+            add_gradients(params, kept)
+            finished = True
+        finally:
+            if not finished:  # an error escapes: leave the gradients as they were before
+                _drop_gradients(params)
+                add_gradients(params, kept)
+        self.last = SplitResult(
+            loss=float(attempt.loss),
+            samples=attempt.samples,
+            micro_batch_size=size,
+            micro_batches=attempt.micro_batches,
+            attempts=attempts,
+        )
+        if self.policy.finish_step(samples, had_oom) and self.logger is not None:
+            self.logger.info("memfit guard: %d clean steps; trying micro-batch %s", self.policy.grow_after, self.policy.limit or samples)
+        self.steps += 1
+        return self.last
+
+    def _attempt(
+        self, batch: Any, samples: int, size: int, total_weight: float | None, forward_backward: ForwardBackward
+    ) -> _Attempt:
+        """One pass over the batch at ``size``; stops at the first OOM (returned, not raised)."""
+        micro_batches = self._split(batch, samples, size)
+        sizes = chunk_sizes(samples, size)
+        attempt = _Attempt(micro_batches=len(micro_batches))
+        total: float | torch.Tensor | None = None
+        for index, (micro, count) in enumerate(zip(micro_batches, sizes)):
+            share = self._share(micro, count, samples, total_weight)
+            try:
+                loss = forward_backward(micro, share)
+            except BaseException as error:  # noqa: BLE001 - every non-OOM is re-raised as is
+                if not is_oom(error):
+                    raise
+                attempt.failure = self._failure(index, error)
+                break  # leave the except block: the traceback holds this micro-batch's tensors
+            loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+            weighted = loss if share == 1.0 else loss * share
+            total = weighted if total is None else total + weighted
+            attempt.samples += count
+        attempt.loss = 0.0 if total is None else total
+        return attempt
+
+    def _recover(
+        self, verdict: _Verdict, failure: _Failure | None, params: list[nn.Parameter], kept: list[torch.Tensor | None] | None
+    ) -> None:
+        """After an OOM anywhere: free this attempt, give up at size 1, else halve."""
+        failed_size = verdict.failed_size
+        assert failed_size is not None
+        breakdown = self._breakdown(failure, params, kept) if failed_size <= 1 else None
+        _drop_gradients(params)
+        self._release_memory()
+        if self.on_discard is not None:
+            self.on_discard()
+        after = None if failed_size <= 1 else self.policy.shrink(failed_size)
+        self._record(verdict, failure, failed_size, after)
+        if breakdown is not None:
+            raise GuardError(self._does_not_fit_message(verdict, failure, breakdown), breakdown)
+
+    # -- DDP: agree after each attempt, synchronise once per step ----------------------------
+
+    def _agree(self, failure: _Failure | None, size: int, params: list[nn.Parameter]) -> _Verdict:
+        """Every rank learns the same: did some rank run out of memory, where, at which size.
+
+        One all-reduce (a minimum over ranks) per attempt. Under DDP it also carries which
+        parameters have a gradient on some rank, so every rank averages the same tensors.
+        """
+        if not distributed.is_distributed():  # one process: its own verdict, no collective
+            if failure is None:
+                return _Verdict(None, -1, "")
+            return _Verdict(size, distributed.rank(), failure.where)
+        me = distributed.rank()
+        values = [_NONE, _NONE] if failure is None else [size, me * len(_WHERE) + _WHERE.index(failure.where)]
+        syncing = _ddp(self.model) is not None
+        if syncing:
+            values += [0 if p.grad is not None else 1 for p in params]
+        agreed = distributed.agree_min_each(values)
+        if agreed[0] == _NONE:
+            return _Verdict(None, -1, "", [flag == 0 for flag in agreed[2:]])
+        failed_rank, where = divmod(agreed[1], len(_WHERE))
+        return _Verdict(agreed[0], failed_rank, _WHERE[where])
+
+    def _average_gradients(self, params: list[nn.Parameter], verdict: _Verdict) -> None:
+        """DDP: average every gradient that exists on some rank, in one pass of all-reduces."""
+        if _ddp(self.model) is None or not distributed.is_distributed():
+            return
+        grads = []
+        for p, anywhere in zip(params, verdict.grad_anywhere):
+            if not anywhere:
+                continue  # unused on every rank: stays None, as DDP leaves it
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        distributed.average_across_ranks_(grads)
+
+    def _broadcast_buffers(self) -> None:
+        """DDP with ``broadcast_buffers``: rank 0's buffers, once per step, before forward."""
+        ddp = _ddp(self.model)
+        if ddp is None or not ddp.broadcast_buffers or not distributed.is_distributed():
+            return
+        distributed.broadcast_from_main_(list(ddp.module.buffers()))
+
+    # -- inference ---------------------------------------------------------------------------
+
+    def predict(self, batch: Any, fn: Callable[[Any], Any]) -> Any:
+        """``fn`` over the batch under ``torch.no_grad()``, split on OOM; outputs concatenated.
+
+        Local to each process: no collectives, so one rank may predict alone.
+        """
+        samples = self._count(batch)
+        while True:
+            size = self.predict_policy.size_for(samples)
+            outputs: list[Any] = []
+            failure = None
+            with torch.no_grad(), _no_collectives_in_forward_backward(self.model):
+                for index, micro in enumerate(self._split(batch, samples, size)):
+                    try:
+                        outputs.append(fn(micro))
+                    except BaseException as error:  # noqa: BLE001 - every non-OOM is re-raised as is
+                        if not is_oom(error):
+                            raise
+                        failure = self._failure(index, error)
+                        break
+            if failure is None:
+                return concat_outputs(outputs)
+            outputs.clear()  # this attempt's outputs go back before the retry
+            self._release_memory()
+            after = None if size <= 1 else self.predict_policy.shrink(size)
+            verdict = _Verdict(size, distributed.rank(), "predict")
+            self._record(verdict, failure, size, after)
+            if after is None:
+                raise GuardError(
+                    "out of memory in predict at micro-batch size 1: one sample's forward pass does not fit; "
+                    "try bf16 (torch.autocast) or a smaller input"
+                )
+
+    # -- the pieces ------------------------------------------------------------------------
+
+    def _count(self, batch: Any) -> int:
+        """Samples in the batch; with a custom ``split``, the number of one-sample micro-batches."""
+        if self.split is None:
+            return count_samples(batch)
+        try:
+            return count_samples(batch)
+        except MemfitError:
+            return len(self.split(batch, 1))
+
+    def _split(self, batch: Any, samples: int, size: int) -> Sequence[Any]:
+        if size >= samples:
+            return [batch]  # the whole batch, untouched: the no-OOM path costs nothing
+        self._warn_batchnorm_once()
+        if self.split is None:
+            return split_batch(batch, size)
+        micro_batches = self.split(batch, size)
+        expected = len(chunk_sizes(samples, size))
+        if len(micro_batches) != expected:
+            raise MemfitError(
+                f"split(batch, {size}) returned {len(micro_batches)} micro-batches for {samples} samples; "
+                f"it must return {expected} (micro-batches of {size} samples, the last one the rest)"
+            )
+        return micro_batches
+
+    def _total_weight(self, batch: Any) -> float | None:
+        if self.weight is None:
+            return None
+        total = float(self.weight(batch))
+        if not total > 0:
+            raise MemfitError(f"weight(batch) is {total}: it must be positive (for example the number of tokens)")
+        return total
+
+    def _share(self, micro: Any, count: int, samples: int, total_weight: float | None) -> float:
+        """The micro-batch's part of the whole batch's loss."""
+        if count == samples:
+            return 1.0
+        if total_weight is None or self.weight is None:
+            return count / samples
+        return float(self.weight(micro)) / total_weight
+
+    def _memory(self) -> tuple[int | None, int | None]:
+        """(allocated, reserved) bytes on the device now, or (None, None) when unknown."""
+        stats: dict[str, int] | None = None
+        if self.device is not None:
+            stats = self.device.memory_stats()
+        else:
+            param = next(self.model.parameters(), None)
+            if param is not None and param.is_cuda:
+                stats = dict(torch.cuda.memory_stats(param.device))
+        if not stats:
+            return None, None
+        return stats.get("allocated_bytes.all.current"), stats.get("reserved_bytes.all.current")
+
+    def _capacity(self) -> int | None:
+        if self.device is not None:
+            return self.device.capacity
+        param = next(self.model.parameters(), None)
+        if param is not None and param.is_cuda:
+            return torch.cuda.get_device_properties(param.device).total_memory
+        return None
+
+    def _failure(self, index: int, error: BaseException) -> _Failure:
+        """The facts of an OOM, read while it is being handled (cheap; nothing is freed here)."""
+        allocated, reserved = self._memory()
+        return _Failure(index=index, where=_where_raised(error.__traceback__), allocated=allocated, reserved=reserved)
+
+    def _release_memory(self) -> None:
+        """Return the failed attempt's memory: collect cycles, empty the allocator's cache."""
+        release_cached_memory()
+        if self.device is not None:
+            self.device.empty_cache()
+
+    def _warn_batchnorm_once(self) -> None:
+        if self._warned_batchnorm:
+            return
+        self._warned_batchnorm = True
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.model.modules()):
+            warnings.warn(
+                "memfit guard: splitting the batch of a model with BatchNorm layers in training mode; "
+                "each micro-batch is normalized with its own statistics, so the update differs from the "
+                "whole batch's. Use GroupNorm (or SyncBatchNorm) for an exact split.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _record(self, verdict: _Verdict, failure: _Failure | None, before: int, after: int | None) -> None:
+        event = OOMEvent(
+            step=self.steps,
+            micro_batch_before=before,
+            micro_batch_after=after,
+            where=verdict.where,
+            rank=verdict.failed_rank,
+            micro_batch_index=None if failure is None else failure.index,
+            allocated=None if failure is None else failure.allocated,
+            reserved=None if failure is None else failure.reserved,
+        )
+        self.events.append(event)
+        if self.logger is not None:
+            self.logger.warning(event.describe())
+
+    def _breakdown(
+        self, failure: _Failure | None, params: list[nn.Parameter], kept: list[torch.Tensor | None] | None
+    ) -> dict[str, int | None]:
+        """Bytes by category at the OOM: what one sample has to share the device with."""
+        gradients = [p.grad for p in params if p.grad is not None] + [g for g in kept or [] if g is not None]
+        parts: dict[str, int | None] = {
+            "capacity": self._capacity(),
+            "allocated": None if failure is None else failure.allocated,
+            "reserved": None if failure is None else failure.reserved,
+            "parameters": _tensor_bytes(list(self.model.parameters())),
+            "gradients": _tensor_bytes(gradients),
+            "optimizer_state": _tensor_bytes(list(_optimizer_state_tensors(self.optimizer))),
+        }
+        allocated = parts["allocated"]
+        states = sum(int(parts[k] or 0) for k in ("parameters", "gradients", "optimizer_state"))
+        parts["activations_and_temporaries"] = None if allocated is None else max(0, allocated - states)
+        return parts
+
+    def _does_not_fit_message(self, verdict: _Verdict, failure: _Failure | None, parts: dict[str, int | None]) -> str:
+        if failure is None:
+            return (
+                f"out of memory at micro-batch size 1 on rank {verdict.failed_rank} (in {verdict.where}): "
+                "one sample does not fit there; its error has the memory breakdown"
+            )
+        sizes = ", ".join(
+            f"{name.replace('_', ' ')} {format_size(value)}"
+            for name in ("parameters", "gradients", "optimizer_state", "activations_and_temporaries")
+            if (value := parts[name]) is not None
+        )
+        capacity = f" of {format_size(parts['capacity'])}" if parts["capacity"] else ""
+        allocated = f"{format_size(parts['allocated'])}{capacity} allocated: " if parts["allocated"] is not None else ""
+        return (
+            f"out of memory at micro-batch size 1 (in {failure.where}): one sample does not fit; "
+            f"at the OOM {allocated}{sizes}; try bf16, activation checkpointing, a shorter input or a smaller model"
+        )
+
+
+# -- the guard: a whole training step ------------------------------------------------------
+
+
+class Guard:
+    """One optimizer step per batch that survives OOMs by splitting the batch.
+
+    ``loss_fn(model, micro_batch)`` returns the mean loss over the micro-batch (run
+    autocast inside it for mixed precision). :meth:`step` runs forward and backward over
+    the whole batch, split on OOM (see :class:`Splitter`), then ``optimizer.step()``
+    (through ``scaler`` if given) and ``zero_grad``, and returns the batch's loss.
+
+    ``split(batch, size)`` splits batches memfit cannot (see :mod:`memfit.guard.batching`);
+    ``weight(batch)`` weights micro-batches by, say, their token count instead of their
+    sample count; ``grow_after=K`` tries a larger micro-batch after K clean steps;
+    ``device`` (a :class:`memfit.Device`) is where memory is read for events and errors
+    (found by itself on CUDA); ``micro_batch_size`` starts below the whole batch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        split: SplitFn | None = None,
+        weight: WeightFn | None = None,
+        grow_after: int | None = None,
+        logger: logging.Logger | None = None,
+        device: Device | None = None,
+        micro_batch_size: int | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scaler = scaler
+        self.splitter = Splitter(
+            model,
+            split=split,
+            weight=weight,
+            grow_after=grow_after,
+            micro_batch_size=micro_batch_size,
+            device=device,
+            logger=logger,
+            optimizer=optimizer,
+            on_discard=self._on_discard,
+        )
+
+    @property
+    def events(self) -> list[OOMEvent]:
+        """Every OOM so far, oldest first."""
+        return self.splitter.events
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The largest micro-batch the next step runs (None: whole batches)."""
+        return self.splitter.micro_batch_size
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches the last step ran."""
+        return self.splitter.accumulation
+
+    @property
+    def last(self) -> SplitResult | None:
+        """How the last step went (samples used, micro-batches, attempts)."""
+        return self.splitter.last
+
+    def step(self, batch: Any) -> float:
+        """One optimizer step over the whole batch; returns the batch's loss."""
+        result = self.splitter.run(batch, self._forward_backward)
+        self._optimizer_step()
+        return result.loss
+
+    def predict(self, batch: Any, fn: Callable[[Any], Any]) -> Any:
+        """``fn(batch)`` under ``torch.no_grad()``, split on OOM, outputs concatenated."""
+        return self.splitter.predict(batch, fn)
+
+    def _forward_backward(self, micro: Any, share: float) -> torch.Tensor:
+        loss = self.loss_fn(self.model, micro)
+        weighted = loss if share == 1.0 else loss * share
+        if self.scaler is not None:
+            weighted = self.scaler.scale(weighted)
+        weighted.backward()
+        return loss.detach()
+
+    def _on_discard(self) -> None:
+        if self.scaler is not None:
+            _reset_scaler_step_state(self.scaler)
+
+    def _optimizer_step(self) -> None:
+        """``optimizer.step()``; an OOM here is the model states, which splitting cannot fix.
+
+        In a process group the ranks agree on it, so no rank goes on to wait for a
+        step the others abandoned.
+        """
+        failed = False
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        except BaseException as error:  # noqa: BLE001 - every non-OOM is re-raised as is
+            if not is_oom(error):
+                raise
+            failed = True
+        failed_anywhere = distributed.any_rank(failed) if distributed.is_distributed() else failed
+        if failed_anywhere:
+            self.splitter._release_memory()
+            raise GuardError(*self._optimizer_oom_message(failed))
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_oom_message(self, here: bool) -> tuple[str, dict[str, int | None]]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        parts: dict[str, int | None] = {
+            "capacity": self.splitter._capacity(),
+            "parameters": _tensor_bytes(list(self.model.parameters())),
+            "gradients": _tensor_bytes([p.grad for p in params if p.grad is not None]),
+            "optimizer_state": _tensor_bytes(list(_optimizer_state_tensors(self.optimizer))),
+            "optimizer_state_needed": expected_optimizer_state_bytes(self.optimizer),
+        }
+        if not here:
+            return (
+                "out of memory in optimizer.step() on another rank: splitting the batch cannot fix it; "
+                "see that rank's error",
+                parts,
+            )
+        needed = parts["optimizer_state_needed"]
+        state = format_size(needed) if needed is not None else f"{format_size(parts['optimizer_state'] or 0)} so far"
+        capacity = f" on a device of {format_size(parts['capacity'])}" if parts["capacity"] else ""
+        return (
+            "out of memory in optimizer.step(): splitting the batch cannot fix it, the model states do not fit; "
+            f"they need parameters {format_size(parts['parameters'] or 0)} + gradients "
+            f"{format_size(parts['gradients'] or 0)} + {type(self.optimizer).__name__} state {state}{capacity}; "
+            "try bf16 weights and optimizer states, sharding (FSDP, ZeroRedundancyOptimizer), "
+            "or a lighter optimizer (SGD, Adafactor, 8-bit Adam)",
+            parts,
+        )

@@ -1,0 +1,1 @@
+"""Watching memory while training: the Monitor, its run files and the findings."""

@@ -1,0 +1,401 @@
+"""Monitor: a per-step memory timeline of a training loop, and what it says is wrong.
+
+Call ``monitor.step()`` at each step boundary; the monitor records allocated and reserved
+memory at that moment, the peak since the previous step (the peaks are reset at every
+recorded step), the reserve no tensor holds, the allocator's retries and OOMs since the
+monitor started, the step's time and any labels you pass (a phase, the batch's shape).
+It writes the records as JSON lines to ``path`` (a header line first), flushed one by
+one, so a run that dies still leaves its timeline; ``memfit report`` turns the file into
+a picture and a page. ``monitor.findings`` names leaks, fragmentation and new-shape peaks
+(:mod:`memfit.monitor.findings`).
+
+Cheap by design: a step reads the allocator's counters and resets its peaks; it never
+waits for the GPU unless ``synchronize=True`` (then step times are the GPU's too).
+
+>>> import torch
+>>> from memfit.monitor.monitor import Monitor
+>>> with Monitor("sim:64MiB") as monitor:
+...     kept = []
+...     for step in range(12):
+...         kept.append(torch.ones(1024))   # 4 KiB kept every step: a leak
+...         _ = monitor.step(phase="train")
+>>> [finding.kind for finding in monitor.findings]
+['leak']
+>>> monitor.records[-1]["allocated"] - monitor.records[-2]["allocated"]
+4096
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.monitor.findings import DEFAULT_WINDOW, Finding, analyze_steps
+from memfit.memory.devices import CudaDevice, Device, device as make_device
+from memfit.memory.oom import is_oom
+from memfit.units import format_size
+
+__all__ = ["Monitor", "RecordedRun", "read_run", "jsonable_label", "FORMAT_VERSION"]
+
+#: version of the JSON lines format (the header's "format")
+FORMAT_VERSION = 1
+
+
+def jsonable_label(value: Any) -> Any:
+    """A label value as JSON: a tensor becomes its shape, a torch.Size or tuple a list.
+
+    Why shapes: ``monitor.step(inputs=x)`` should record what matters for memory (the
+    shape), not the tensor's contents.
+    """
+    if isinstance(value, torch.Tensor):
+        return list(value.shape)
+    if isinstance(value, (torch.Size, tuple, list)):
+        return [jsonable_label(item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): jsonable_label(item) for key, item in value.items()}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    return str(value)
+
+
+def resolve_device(spec: Device | str | None) -> Device:
+    """The device to watch: the one given, else the current CUDA device.
+
+    Why no simulated default: a monitor on a device nothing runs on records nothing, so
+    without a GPU the caller must say which (simulated) device the loop uses.
+    """
+    if spec is not None:
+        return make_device(spec)
+    if not torch.cuda.is_available():
+        raise MemfitError(
+            "Monitor needs a device: no CUDA GPU here; pass one, such as Monitor('sim:8GiB') "
+            "or Monitor(memfit.device('cpu'))"
+        )
+    return make_device(f"cuda:{torch.cuda.current_device()}")
+
+
+def resolve_path(path: str | os.PathLike[str] | None) -> Path | None:
+    """The JSON lines path, with ``{rank}`` replaced by this process's rank.
+
+    Why: under torchrun every rank runs the same code; ``path="run-{rank}.jsonl"`` gives
+    each its own file instead of several processes writing one.
+    """
+    if path is None:
+        return None
+    text = os.fspath(path)
+    if "{rank}" in text:
+        from memfit.distributed import rank
+
+        text = text.replace("{rank}", str(rank()))
+    return Path(text)
+
+
+class Monitor:
+    """Record memory at each step boundary; find leaks, fragmentation and new-shape peaks.
+
+    ``device``: a memfit device or spec (``"sim:8GiB"``, ``"cuda:0"``); None means the
+    current CUDA device. The monitor enters the device for the duration of the ``with``
+    block (for ``sim:`` and ``cpu`` that is what counts the tensors).
+    ``path``: JSON lines file to write (replaced if it exists; ``{rank}`` is the rank).
+    ``every``: record one step in ``every`` (peaks then cover all the steps in between).
+    ``snapshot``: on CUDA, a pickle file for PyTorch's memory viewer
+    (https://pytorch.org/memory_viz): the allocator's history, bounded to ``max_entries``
+    events, is recorded while the monitor runs and dumped when it exits.
+    ``window``: consecutive recorded steps a leak must persist over.
+    ``synchronize``: wait for the GPU at each recorded step, so step times are exact.
+    """
+
+    def __init__(
+        self,
+        device: Device | str | None = None,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        every: int = 1,
+        snapshot: str | os.PathLike[str] | None = None,
+        max_entries: int = 100_000,
+        window: int = DEFAULT_WINDOW,
+        synchronize: bool = False,
+    ) -> None:
+        _check_positive("every", every)
+        _check_positive("max_entries", max_entries)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+            raise MemfitError(f"invalid window {window!r}: must be an integer of at least 3")
+        self.device = resolve_device(device)
+        if snapshot is not None and not isinstance(self.device, CudaDevice):
+            raise MemfitError(
+                f"snapshot= needs a CUDA device (PyTorch records allocator history only there); "
+                f"{self.device.spec} has none"
+            )
+        self.path = resolve_path(path)
+        self.snapshot = Path(snapshot) if snapshot is not None else None
+        self.every = every
+        self.max_entries = max_entries
+        self.window = window
+        self.synchronize = synchronize
+        self.records: list[dict[str, Any]] = []
+        self.header: dict[str, Any] = {}
+        self._file: IO[str] | None = None
+        self._steps = 0
+        self._baseline = {"num_alloc_retries": 0, "num_ooms": 0}
+        self._started = 0.0
+        self._last = 0.0
+        self._last_recorded_step = -1
+        self._active = False
+        self._recording_history = False
+
+    # -- the context manager -----------------------------------------------------------
+
+    def __enter__(self) -> Monitor:
+        if self._active:
+            raise MemfitError("this Monitor is already running; make a new one for another run")
+        self.device.__enter__()
+        try:
+            if self.snapshot is not None:
+                torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+                self._recording_history = True
+            stats = self.device.memory_stats()
+            self._baseline = {key: int(stats.get(key, 0)) for key in self._baseline}
+            self.device.reset_peak_memory_stats()
+            self.header = self._make_header()
+            if self.path is not None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("w", encoding="utf-8")
+                self._write(self.header)
+        except BaseException:
+            self._close()
+            raise
+        self.records = []
+        self._steps = 0
+        self._last_recorded_step = -1
+        self._active = True
+        self._started = self._last = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        try:
+            if exc is not None and isinstance(exc, Exception) and is_oom(exc):
+                self._record(self._steps, {}, event="oom", message=str(exc).split("\n")[0])
+        finally:
+            self._close()
+        return None  # exceptions propagate unchanged
+
+    def step(self, **labels: Any) -> dict[str, Any] | None:
+        """Mark the end of a training step; return the record, or None when not recorded."""
+        if not self._active:
+            raise MemfitError("monitor.step() outside its `with Monitor(...)` block")
+        self._steps += 1
+        if self._steps % self.every:
+            return None
+        return self._record(self._steps - 1, labels)
+
+    # -- results -----------------------------------------------------------------------
+
+    @property
+    def findings(self) -> list[Finding]:
+        """Leak, fragmentation and new-shape-peak findings over the records so far."""
+        return analyze_steps(self.records, capacity=self.device.capacity, window=self.window)
+
+    def summary(self) -> dict[str, Any]:
+        """The run in a few numbers (bytes as ints), for tables and JSON."""
+        return summarize(self.header, self.records)
+
+    def write_report(self, output: str | os.PathLike[str], **results: Any) -> Any:
+        """Write the HTML report and timeline PNG (see :func:`memfit.reporting.pages.write_report`)."""
+        from memfit.reporting.pages import write_report
+
+        return write_report(RecordedRun(dict(self.header), list(self.records)), output, **results)
+
+    def _repr_html_(self) -> str:
+        from memfit.reporting.pages import monitor_html
+
+        return monitor_html(self.header, self.records, self.findings)
+
+    def __repr__(self) -> str:
+        return f"<memfit Monitor on {self.device.spec}: {len(self.records)} steps recorded>"
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _make_header(self) -> dict[str, Any]:
+        from memfit import __version__
+
+        return {
+            "kind": "header",
+            "format": FORMAT_VERSION,
+            "memfit": __version__,
+            "torch": torch.__version__,
+            "device": self.device.spec,
+            "description": self.device.describe(),
+            "capacity": self.device.capacity,
+            "simulated": self.device.simulated,
+            "every": self.every,
+            "window": self.window,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+
+    def _record(self, step: int, labels: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+        if self.synchronize:
+            self.device.synchronize()
+        now = time.perf_counter()
+        stats = self.device.memory_stats()
+        self.device.reset_peak_memory_stats()
+        allocated = int(stats.get("allocated_bytes.all.current", 0))
+        reserved = int(stats.get("reserved_bytes.all.current", 0))
+        steps_covered = max(step - self._last_recorded_step, 1)
+        record: dict[str, Any] = {
+            "kind": "step",
+            "step": step,
+            "time": round(now - self._started, 6),
+            "seconds": round((now - self._last) / steps_covered, 6),
+            "allocated": allocated,
+            "reserved": reserved,
+            "peak_allocated": int(stats.get("allocated_bytes.all.peak", allocated)),
+            "peak_reserved": int(stats.get("reserved_bytes.all.peak", reserved)),
+            "unallocated": reserved - allocated,
+            "num_alloc_retries": int(stats.get("num_alloc_retries", 0)) - self._baseline["num_alloc_retries"],
+            "num_ooms": int(stats.get("num_ooms", 0)) - self._baseline["num_ooms"],
+            "labels": {str(key): jsonable_label(value) for key, value in labels.items()},
+        }
+        record.update(extra)
+        self.records.append(record)
+        self._last = now
+        self._last_recorded_step = step
+        if self._file is not None:
+            self._write(record)
+        return record
+
+    def _write(self, record: Mapping[str, Any]) -> None:
+        assert self._file is not None
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()  # a run that dies still leaves every step written so far
+
+    def _close(self) -> None:
+        try:
+            if self._recording_history and self.snapshot is not None:
+                self._recording_history = False
+                _dump_snapshot(self.snapshot)
+        finally:
+            self._active = False
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            self.device.__exit__(None, None, None)
+
+
+def _dump_snapshot(path: Path) -> None:
+    """Dump the recorded allocator history atomically, then stop recording it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            torch.cuda.memory._dump_snapshot(str(temp))
+            os.replace(temp, path)
+        finally:
+            if temp.exists():
+                temp.unlink()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MemfitError(f"invalid {name} {value!r}: must be a positive integer")
+
+
+def summarize(header: Mapping[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run in a few numbers: steps, last and highest memory, retries, OOMs."""
+    steps = [r for r in records if r.get("kind", "step") == "step"]
+    last = steps[-1] if steps else {}
+    return {
+        "device": header.get("description") or header.get("device"),
+        "capacity": header.get("capacity"),
+        "steps_recorded": len(steps),
+        "last_step": last.get("step"),
+        "allocated": last.get("allocated"),
+        "reserved": last.get("reserved"),
+        "highest_peak_allocated": max((r.get("peak_allocated", 0) for r in steps), default=None),
+        "highest_reserved": max((r.get("peak_reserved", 0) for r in steps), default=None),
+        "num_alloc_retries": last.get("num_alloc_retries", 0),
+        "num_ooms": last.get("num_ooms", 0),
+        # the median: the first step pays for warm-up (kernels, lazy imports, optimizer state)
+        "seconds_per_step": statistics.median(r.get("seconds", 0.0) for r in steps) if steps else None,
+    }
+
+
+@dataclass
+class RecordedRun:
+    """A run read back from its JSON lines: the header and the step records."""
+
+    header: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int | None:
+        capacity = self.header.get("capacity")
+        return int(capacity) if isinstance(capacity, int) else None
+
+    def findings(self, window: int | None = None) -> list[Finding]:
+        return analyze_steps(
+            self.records, capacity=self.capacity, window=window or int(self.header.get("window") or DEFAULT_WINDOW)
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return summarize(self.header, self.records)
+
+
+def read_run(path: str | os.PathLike[str]) -> RecordedRun:
+    """Read a monitor's JSON lines file; raise MemfitError naming the first bad line.
+
+    A truncated last line (the process died while writing it) is skipped, because a run
+    that crashed is the one most worth reading.
+    """
+    source = Path(path)
+    try:
+        lines = source.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise MemfitError(f"cannot read {source}: {error.strerror or error}") from None
+    header: dict[str, Any] | None = None
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and header is not None:
+                break  # the last line was cut short by a crash
+            raise MemfitError(f"{source}:{number}: not a memfit monitor record (not JSON)") from None
+        if not isinstance(item, dict):
+            raise MemfitError(f"{source}:{number}: not a memfit monitor record")
+        if header is None:
+            if item.get("kind") != "header":
+                raise MemfitError(f"{source}: not a memfit monitor run (the first line is not its header)")
+            header = item
+            continue
+        if item.get("kind") != "step" or not isinstance(item.get("step"), int) or not isinstance(
+            item.get("allocated"), int
+        ):
+            raise MemfitError(f"{source}:{number}: not a memfit monitor step record")
+        records.append(item)
+    if header is None:
+        raise MemfitError(f"{source}: empty, not a memfit monitor run")
+    return RecordedRun(header, records)
+
+
+def describe_record(record: Mapping[str, Any]) -> str:
+    """One line for a step record, for logs."""
+    return (
+        f"step {record['step']}: allocated {format_size(record['allocated'])}, "
+        f"reserved {format_size(record['reserved'])}, peak {format_size(record['peak_allocated'])}"
+    )

@@ -1,0 +1,165 @@
+"""Run k optimizer steps of a workload under some settings on a device.
+
+Why at least two steps: the optimizer allocates its state (AdamW: two tensors per
+parameter) during the first ``step()``, so only the second step shows the memory a long
+run needs. Each step runs ``accumulation_steps`` forward/backward passes of
+``micro_batch_size`` samples, then the optimizer step, then ``zero_grad``.
+
+>>> import memfit
+>>> from memfit.run.steps import run_steps
+>>> wl = memfit.load_workload("mlp:layers=2,width=32")
+>>> with memfit.device("sim:1GiB") as gpu:
+...     run = run_steps(wl, memfit.Settings(micro_batch_size=4), gpu, steps=2)
+>>> len(run.step_seconds)
+2
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError
+from memfit.memory.devices import Device
+from memfit.memory.tracker import labelled
+from memfit.run.settings import Settings, autocast, make_scaler
+from memfit.workload.spec import Workload, move_to
+
+__all__ = ["run_steps", "StepRun", "module_labels"]
+
+
+@dataclass
+class StepRun:
+    """What :func:`run_steps` observed."""
+
+    step_seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+
+def run_steps(
+    workload: Workload,
+    settings: Settings,
+    device: Device,
+    steps: int = 2,
+    *,
+    label_modules: bool = False,
+) -> StepRun:
+    """Run ``steps`` optimizer steps; raise whatever the step raises (an OOM included).
+
+    The model comes from ``workload.build_model()``: a factory gives a fresh model that
+    is dropped at the end, so the device returns to its memory before the call.
+    """
+    if settings.micro_batch_size is None:
+        raise MemfitError("run_steps needs settings.micro_batch_size")
+    if steps < 1:
+        raise MemfitError(f"invalid number of steps {steps}: must be at least 1")
+    if not device.supports(settings.precision):
+        raise MemfitError(f"{device.describe()} does not support {settings.precision}")
+    result = StepRun()
+    with device:
+        model = workload.build_model()
+        if not _is_on(model, device.torch_device):
+            # Why the check: ``Module.to`` swaps every parameter of a fake-tensor model
+            # (the estimator's) and fails; a model already in place needs no move.
+            model.to(device.torch_device)
+        device.adopt(list(model.parameters()) + list(model.buffers()))
+        was_training = model.training
+        model.train()
+        undo_checkpointing = settings.apply(model)
+        optimizer = None
+        try:
+            optimizer = workload.optimizer(model.parameters())
+            scaler = make_scaler(settings.precision, device.autocast_device_type)
+            with module_labels(model) if label_modules else _nothing():
+                for step in range(steps):
+                    device.synchronize()
+                    started = time.perf_counter()
+                    result.losses.append(_one_step(workload, settings, device, model, optimizer, scaler, step))
+                    device.synchronize()
+                    result.step_seconds.append(time.perf_counter() - started)
+        finally:
+            undo_checkpointing()
+            model.train(was_training)
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            del optimizer, model
+    return result
+
+
+def _one_step(
+    workload: Workload,
+    settings: Settings,
+    device: Device,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    step: int,
+) -> float:
+    total = 0.0
+    for _ in range(settings.accumulation_steps):
+        with labelled(phase="forward", step=step):
+            batch = move_to(workload.make_batch(settings.micro_batch_size), device.torch_device)
+            with autocast(settings.precision, device.autocast_device_type):
+                loss = workload.loss(model, batch)
+            loss = loss / settings.accumulation_steps
+        with labelled(phase="backward", step=step):
+            scaler.scale(loss).backward()
+        total += float(loss.detach())
+        del loss, batch  # free the batch before the next micro-batch is made
+    with labelled(phase="optimizer", step=step):
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def _is_on(model: nn.Module, where: torch.device) -> bool:
+    """True when every parameter and buffer of ``model`` already lives on ``where``."""
+    index = where.index if where.index is not None else (0 if where.type == "cuda" else None)
+    return all(
+        t.device.type == where.type and (t.device.index if t.device.index is not None else index) == index
+        for t in itertools.chain(model.parameters(), model.buffers())
+    )
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def module_labels(model: nn.Module) -> Iterator[None]:
+    """Label allocations with the dotted path of the module whose forward made them.
+
+    Why hooks on every module: the estimator reports which modules hold the most
+    activation memory, and only the module running at allocation time knows.
+    """
+    from memfit.memory import tracker
+
+    stack: list[tracker.Labels] = []
+    handles = []
+    for name, module in model.named_modules():
+
+        def enter(_module: nn.Module, _args: object, name: str = name) -> None:
+            stack.append(tracker.current_labels())
+            tracker._state.labels = tracker.Labels(**{**stack[-1].__dict__, "module": name or "<root>"})
+
+        def leave(_module: nn.Module, _args: object, _out: object) -> None:
+            if stack:
+                tracker._state.labels = stack.pop()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+    outer = tracker.current_labels()
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        tracker._state.labels = outer

@@ -1,0 +1,184 @@
+"""memfit fit: the whole workflow in one call, the way careful practitioners do it by hand.
+
+1. **doctor**: is the environment sound (a CPU wheel, an old driver, another process)?
+2. **estimate**: how much memory one step needs, and the largest batch predicted to fit;
+3. **probe**: the largest batch that really fits, exact, starting from the prediction;
+4. **plan**: the fastest micro-batch, accumulation, precision and checkpointing that
+   reach the target batch (by default the batch probe recommends);
+5. **lock**: write ``memfit.lock`` (the settings, the measurements, the environment) and
+   a report (HTML with the figures embedded).
+
+>>> import tempfile, memfit
+>>> out = tempfile.mkdtemp()
+>>> result = fit("mlp:layers=2,width=32,features=16", device="sim:24MiB", target_batch_size=64,
+...              lock_path=f"{out}/memfit.lock", report_dir=f"{out}/report", run_doctor=False)
+>>> result.plan.recommended.settings.batch_size
+64
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import MemfitError
+from memfit.search.lock import Lock, Measured, write_lock
+from memfit.memory.devices import Device, device as make_device
+from memfit.search.plan import Plan, plan
+from memfit.run.settings import Settings
+from memfit.workload.spec import Workload, load_workload
+
+__all__ = ["fit", "FitResult"]
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class FitResult:
+    """Everything ``fit`` found, and where it wrote the lock and the report."""
+
+    workload: str
+    device: str
+    capacity: int | None
+    diagnosis: Any  # memfit.environment.doctor.Diagnosis, or None when the doctor was skipped
+    estimate: Any  # memfit.estimator.estimate.Estimate, or None without a known capacity
+    probe: Any  # memfit.search.probe.ProbeResult
+    plan: Plan
+    lock: Lock
+    lock_path: Path
+    report_path: Path | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "device": self.device,
+            "capacity": self.capacity,
+            "doctor": self.diagnosis.to_dict() if self.diagnosis is not None else None,
+            "estimate": self.estimate.to_dict() if self.estimate is not None else None,
+            "probe": self.probe.to_dict(),
+            "plan": self.plan.to_dict(),
+            "lock": str(self.lock_path),
+            "report": str(self.report_path) if self.report_path else None,
+        }
+
+    def summary(self) -> list[str]:
+        """What fits, what was chosen and why, in a few sentences."""
+        from memfit.units import format_size
+
+        lines = []
+        if self.diagnosis is not None:
+            errors = self.diagnosis.count("error")
+            warnings = self.diagnosis.count("warning")
+            lines.append(
+                f"Environment: {errors} error(s), {warnings} warning(s)"
+                + (" — run `memfit doctor` for the fixes." if errors or warnings else ".")
+            )
+        if self.estimate is not None and self.estimate.max_batch_size is not None:
+            lines.append(
+                f"Estimate: a step at batch {self.estimate.batch_size} needs {format_size(self.estimate.total)}; "
+                f"predicted largest batch {self.estimate.max_batch_size}."
+            )
+        p = self.probe
+        if p.limit == "max_batch_size":
+            largest = f"at least {p.max_batch_size} fits (the search stopped at max_batch_size)"
+        else:
+            largest = f"the largest batch that fits is {p.max_batch_size} (exact)"
+        lines.append(
+            f"Probe: {largest}, {len(p.trials)} trials, {p.trial_steps} optimizer steps; "
+            f"recommended {p.recommended_batch_size}: {p.reason}"
+        )
+        lines.append(f"Plan for batch {self.plan.target_batch_size}: {self.plan.reason}")
+        lines.extend(f"Advice: {note}" for note in self.plan.advice)
+        lines.append(f"Wrote {self.lock_path}" + (f" and {self.report_path}" if self.report_path else "") + ".")
+        return lines
+
+
+def fit(
+    workload: Workload | str,
+    device: Device | str = "auto",
+    *,
+    target_batch_size: int | None = None,
+    headroom: float = 0.05,
+    max_batch_size: int | None = None,
+    world_size: int = 1,
+    lock_path: str | os.PathLike[str] = "memfit.lock",
+    report_dir: str | os.PathLike[str] | None = "memfit-report",
+    run_doctor: bool = True,
+    say: Say | None = None,
+) -> FitResult:
+    """Doctor, estimate, probe, plan; then write the lock and the report."""
+    from memfit.estimator.estimate import estimate
+    from memfit.search.probe import probe
+
+    from memfit.environment import system
+
+    say = say or (lambda _text: None)
+    wl = load_workload(workload)
+    gpu = make_device(device)
+    machine = system.current_probe()  # one probe: its answers are read once, for doctor and lock
+    diagnosis = None
+    if run_doctor:
+        from memfit.environment.doctor import diagnose
+
+        say("doctor: checking the environment")
+        diagnosis = diagnose(machine)
+    predicted = None
+    if gpu.capacity is not None and wl.builds_fresh_models:
+        # (a model instance comes with the script's own optimizer: see probing.estimated_guess)
+        say("estimate: predicting peak memory on fake tensors")
+        predicted = estimate(wl, None, Settings(), device=gpu)
+    say("probe: finding the largest batch that fits")
+    found = probe(wl, gpu, headroom=headroom, max_batch_size=max_batch_size,
+                  guess=predicted.max_batch_size if predicted else None)  # no second estimate
+    target = target_batch_size or found.recommended_batch_size * world_size
+    say(f"plan: the fastest settings that reach batch {target}")
+    chosen = plan(wl, target, gpu, world_size=world_size)
+    best = chosen.recommended
+    if best is None or best.measurement is None:
+        raise MemfitError(chosen.reason)
+    from memfit.environment.envfile import fingerprint
+
+    lock = Lock(
+        workload=wl.name,
+        settings=best.settings,
+        target_batch_size=target,
+        world_size=world_size,
+        environment=fingerprint(machine),
+        measured=Measured(
+            device=gpu.spec,
+            capacity=gpu.capacity or 0,
+            peak_allocated=best.measurement.peak_allocated,
+            peak_reserved=best.measurement.peak_reserved,
+            samples_per_second=float(best.samples_per_second or 0.0),
+            headroom=headroom,
+            max_batch_size=found.max_batch_size,
+        ),
+    )
+    report_path = None
+    if report_dir is not None:
+        from memfit.reporting.pages import write_results_report
+
+        report_path = write_results_report(
+            Path(report_dir) / "report.html",
+            title=f"memfit fit · {wl.name} on {gpu.describe()}",
+            doctor=diagnosis.to_dict() if diagnosis is not None else None,
+            probe=found.to_dict(),
+            estimate=predicted.to_dict() if predicted is not None else None,
+            plan=chosen.to_dict(),
+        )
+    path = write_lock(lock, lock_path)  # last: a lock on disk means the whole fit succeeded
+    return FitResult(
+        workload=wl.name,
+        device=gpu.spec,
+        capacity=gpu.capacity,
+        diagnosis=diagnosis,
+        estimate=predicted,
+        probe=found,
+        plan=chosen,
+        lock=lock,
+        lock_path=path,
+        report_path=report_path,
+    )

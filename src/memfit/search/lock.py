@@ -1,0 +1,195 @@
+"""memfit.lock: the chosen settings, what was measured, and the environment, frozen.
+
+A lock is TOML with a schema version. It records the workload reference, the Settings
+the plan chose (precision, checkpointing, micro-batch, accumulation), the target batch,
+the measured peak memory and samples/s with the headroom kept, and the environment
+fingerprint (:mod:`memfit.environment.envfile`). :func:`check_lock` compares the fingerprint with this
+machine, so a changed GPU, torch or driver is noticed before a run fails.
+
+Use it in your own loop::
+
+    lock = memfit.load_lock("memfit.lock")
+    lock.settings.apply(model)                     # activation checkpointing, if chosen
+    scaler = lock.settings.scaler("cuda")          # enabled for fp16 only
+    for step, batch in enumerate(loader):          # loader yields micro-batches
+        with lock.settings.autocast("cuda"):
+            loss = loss_fn(model, batch) / lock.accumulation_steps
+        scaler.scale(loss).backward()
+        if (step + 1) % lock.accumulation_steps == 0:
+            scaler.step(optimizer); scaler.update(); optimizer.zero_grad()
+
+>>> import tempfile, pathlib
+>>> from memfit.environment.envfile import Fingerprint
+>>> lock = Lock(workload="mlp", settings=Settings(micro_batch_size=8, accumulation_steps=2),
+...             target_batch_size=16, environment=Fingerprint(python="3.11.7", os="Linux x86_64"))
+>>> path = pathlib.Path(tempfile.mkdtemp()) / "memfit.lock"
+>>> _ = write_lock(lock, path)
+>>> load_lock(path).settings == lock.settings
+True
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from memfit.environment.envfile import Difference, Fingerprint, compare, fingerprint
+from memfit.errors import MemfitError
+from memfit.run.settings import Settings
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["Lock", "Measured", "write_lock", "load_lock", "check_lock", "SCHEMA", "SCHEMA_VERSION", "LockCheck"]
+
+SCHEMA = "memfit.lock"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the plan measured for the chosen settings on the device it ran on."""
+
+    device: str = ""
+    capacity: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    samples_per_second: float = 0.0
+    headroom: float = 0.05
+    max_batch_size: int = 0  # probe's largest batch for the default settings (0: not probed)
+
+
+@dataclass(frozen=True)
+class Lock:
+    """A memfit.lock in memory."""
+
+    workload: str
+    settings: Settings
+    target_batch_size: int
+    environment: Fingerprint
+    world_size: int = 1
+    measured: Measured = field(default_factory=Measured)
+    memfit_version: str = ""
+    created: str = ""
+
+    @property
+    def micro_batch_size(self) -> int:
+        assert self.settings.micro_batch_size is not None
+        return self.settings.micro_batch_size
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.settings.accumulation_steps
+
+    def to_toml(self) -> str:
+        from memfit import __version__
+
+        document = {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "memfit_version": self.memfit_version or __version__,
+            "created": self.created or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "workload": {"ref": self.workload},
+            "settings": {k: v for k, v in self.settings.to_dict().items() if v is not None},
+            "target": {"batch_size": self.target_batch_size, "world_size": self.world_size},
+            "measured": asdict(self.measured),
+            "environment": self.environment.to_dict(omit_missing=True),
+        }
+        return tomli_w.dumps(document)
+
+
+def write_lock(lock: Lock, path: str | os.PathLike[str] = "memfit.lock") -> Path:
+    """Write the lock atomically: a reader sees the old file or the new one, never half."""
+    path = Path(path)
+    text = lock.to_toml()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:
+    """Read a lock; a missing, corrupt, foreign or newer-schema file is a one-line MemfitError."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise MemfitError(f"{path} not found: write one with `memfit fit`") from None
+    except OSError as error:
+        raise MemfitError(f"cannot read {path}: {error.strerror or error}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise MemfitError(f"{path} is not a valid memfit.lock (TOML error: {str(error).splitlines()[0]})") from None
+    if data.get("schema") != SCHEMA:
+        raise MemfitError(f'{path} is not a memfit.lock (no schema = "{SCHEMA}")')
+    version = data.get("schema_version")
+    if not isinstance(version, int) or version < 1:
+        raise MemfitError(f"{path} has an invalid schema_version {version!r}")
+    if version > SCHEMA_VERSION:
+        raise MemfitError(
+            f"{path} has schema_version {version}, newer than this memfit reads ({SCHEMA_VERSION}): upgrade memfit"
+        )
+    try:
+        settings = Settings(**data["settings"])
+        if settings.micro_batch_size is None:
+            raise KeyError("settings.micro_batch_size")
+        return Lock(
+            workload=str(data["workload"]["ref"]),
+            settings=settings,
+            target_batch_size=int(data["target"]["batch_size"]),
+            world_size=int(data["target"].get("world_size", 1)),
+            measured=Measured(**data.get("measured", {})),
+            environment=Fingerprint.from_dict(data["environment"], source=f"{path} [environment]"),
+            memfit_version=str(data.get("memfit_version", "")),
+            created=str(data.get("created", "")),
+        )
+    except MemfitError as error:
+        raise MemfitError(f"{path} is a damaged memfit.lock: {error}") from None
+    except (KeyError, TypeError, ValueError) as error:
+        raise MemfitError(f"{path} is a damaged memfit.lock: bad or missing {error}") from None
+
+
+@dataclass(frozen=True)
+class LockCheck:
+    """The differences between a lock's environment and this machine, and what to do."""
+
+    differences: list[Difference]
+
+    @property
+    def matters(self) -> bool:
+        return any(d.matters for d in self.differences)
+
+    @property
+    def gpu_changed(self) -> bool:
+        return any(d.field.startswith("gpus") for d in self.differences)
+
+    def advice(self) -> list[str]:
+        notes = []
+        if self.gpu_changed:
+            notes.append("The GPU changed: run `memfit probe` (or `memfit fit`) again before training.")
+        elif self.matters:
+            notes.append("torch, CUDA or the driver changed: memory use can differ; re-run `memfit fit` to re-measure.")
+        return notes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"matters": self.matters, "differences": [d.to_dict() for d in self.differences], "advice": self.advice()}
+
+
+def check_lock(path: str | os.PathLike[str] = "memfit.lock", current: Fingerprint | None = None) -> LockCheck:
+    """Compare the lock's environment with ``current`` (default: this machine)."""
+    lock = load_lock(path)
+    return LockCheck(compare(lock.environment, current if current is not None else fingerprint()))

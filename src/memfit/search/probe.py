@@ -1,0 +1,390 @@
+"""``memfit.probe()``: the largest batch that fits on a device, and the one to use, by trial.
+
+Each trial runs two optimizer steps at one batch size through :func:`memfit.measure`
+(worst-case shapes; the second step with the optimizer state alive), so what fits here
+fits in training. The batch sizes tried come from :mod:`memfit.search.policy`: small
+first, then a jump along the measured slope of memory, then a proof that the next size
+does not fit. The answer is exact: the largest multiple of ``multiple_of`` that fits,
+with the next one shown not to.
+
+The recommended batch is the largest whose peak reserved memory stays under
+``(1 - headroom)`` of the device (searched for a few more trials, reusing every trial), or, when throughput stops growing before that, the
+smallest batch within 2 % of the best samples per second; both are reported, and why.
+
+Probing leaves no trace: a model given as an instance is trained in place and then put
+back, bit for bit, with the optimizer the workload hands out, any objects passed in
+``preserve`` (a GradScaler, a scheduler) and every random generator. Under an initialized
+process group every rank probes its own device and all return the smallest answer.
+
+>>> from memfit.search.probe import probe
+>>> result = probe("mlp:layers=1,width=16,features=8", "sim:64MiB", max_batch_size=64)
+>>> result.max_batch_size, result.limit
+(64, 'max_batch_size')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit import distributed
+from memfit.search.policy import Outcome, SearchSpace, answer, next_batch_size
+from memfit.errors import DoesNotFitError, MemfitError
+from memfit.run.measure import Measurement, measure
+from memfit.memory.devices import CudaDevice, Device, device as make_device
+from memfit.run.settings import Settings
+from memfit.run.state import Snapshot, preserved
+from memfit.units import format_size
+from memfit.workload.spec import Workload, load_workload
+
+__all__ = [
+    "probe",
+    "ProbeResult",
+    "search",
+    "Search",
+    "recommend",
+    "TRIAL_STEPS",
+    "THROUGHPUT_TOLERANCE",
+    "HEADROOM_TRIALS",
+]
+
+#: optimizer steps per trial: the second runs with the optimizer state alive
+TRIAL_STEPS = 2
+#: a batch within this fraction of the best samples/s counts as "as fast"
+THROUGHPUT_TOLERANCE = 0.02
+#: at most this many trials after the maximum, to find the batch within the headroom
+HEADROOM_TRIALS = 3
+
+TrialFunction = Callable[[int], Measurement]
+#: ``progress(batch_size, None)`` before a trial, ``progress(batch_size, measurement)`` after
+Progress = Callable[[int, "Measurement | None"], None]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What :func:`probe` found. Bytes are ints; ``trials`` are in the order they ran."""
+
+    max_batch_size: int
+    recommended_batch_size: int
+    #: the largest batch tried with peak reserved within (1 - headroom) of capacity
+    #: (searched for at most HEADROOM_TRIALS trials after the maximum)
+    headroom_batch_size: int
+    #: the smallest batch within 2 % of the best samples/s (among trials up to the above)
+    throughput_batch_size: int | None
+    #: why the recommended batch is what it is, in one sentence
+    reason: str
+    #: "memory" (the next size did not fit) or "max_batch_size" (the search bound)
+    limit: str
+    trials: tuple[Measurement, ...]
+    trial_steps: int
+    capacity: int | None
+    headroom: float
+    multiple_of: int
+    device: str = ""
+    workload: str = ""
+    world_size: int = 1
+    #: this rank's own maximum (the others may have less memory)
+    local_max_batch_size: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def _repr_html_(self) -> str:
+        """A table in Jupyter."""
+        from memfit.reporting.pages import to_html
+
+        return to_html(self.to_dict())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the fields above, trials as dicts with samples_per_second."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("trials", "extra")}
+        data["trials"] = [
+            {
+                "batch_size": t.batch_size,
+                "fits": t.fits,
+                "peak_allocated": t.peak_allocated,
+                "peak_reserved": t.peak_reserved,
+                "samples_per_second": t.samples_per_second,
+                "seconds_per_step": t.seconds_per_step,
+            }
+            for t in self.trials
+        ]
+        data.update(self.extra)
+        return data
+
+
+@dataclass(frozen=True)
+class Search:
+    """The outcome of :func:`search` on one device: trials and the three batch sizes."""
+
+    trials: tuple[Measurement, ...]
+    max_batch_size: int
+    headroom_batch_size: int
+    throughput_batch_size: int | None
+    recommended_batch_size: int
+    reason: str
+    limit: str
+
+
+def _outcome(measurement: Measurement, limit: int | None = None) -> Outcome:
+    """A trial as the search policy sees it; with ``limit``, fitting means fitting under it."""
+    fits = measurement.fits and (limit is None or measurement.peak_reserved <= limit)
+    return Outcome(measurement.batch_size, fits, measurement.peak_reserved if measurement.fits else 0)
+
+
+def search(
+    trial: TrialFunction,
+    space: SearchSpace,
+    *,
+    capacity: int | None,
+    headroom: float = 0.05,
+    progress: Progress | None = None,
+    describe: str = "the workload",
+) -> Search:
+    """Run trials until the maximum and the headroom batch are proven; pick the recommendation.
+
+    ``trial(batch_size)`` runs one trial (:func:`memfit.measure` in :func:`probe`, a
+    formula in tests). ``capacity`` is the device's memory for the headroom rule.
+    Raises :class:`DoesNotFitError` when the smallest batch does not fit.
+    """
+    trials: list[Measurement] = []
+
+    def run(batch_size: int) -> Measurement:
+        if progress is not None:
+            progress(batch_size, None)
+        result = trial(batch_size)
+        trials.append(result)
+        if progress is not None:
+            progress(batch_size, result)
+        return result
+
+    while (batch := next_batch_size(space, [_outcome(t) for t in trials])) is not None:
+        run(batch)
+    maximum = answer(space, [_outcome(t) for t in trials])
+    if maximum == 0:
+        raise DoesNotFitError(_does_not_fit_message(describe, trials, space, capacity))
+    limit_kind = "max_batch_size" if maximum + space.multiple_of > space.max_units * space.multiple_of else "memory"
+
+    headroom_batch = maximum
+    if capacity is not None and headroom > 0:
+        # The same search against the smaller budget, reusing every trial so far; a few
+        # more trials at most, since a recommendation needs no proof to the last sample.
+        budget = math.floor((1 - headroom) * capacity)
+        room = SearchSpace(capacity=budget, multiple_of=space.multiple_of, max_batch_size=maximum)
+        for _ in range(HEADROOM_TRIALS):
+            batch = next_batch_size(room, [_outcome(t, budget) for t in trials])
+            if batch is None:
+                break
+            run(batch)
+        headroom_batch = answer(room, [_outcome(t, budget) for t in trials]) or space.multiple_of
+    recommended, fastest, reason = recommend(trials, headroom_batch, headroom)
+    return Search(tuple(trials), maximum, headroom_batch, fastest, recommended, reason, limit_kind)
+
+
+def recommend(trials: Sequence[Measurement], headroom_batch: int, headroom: float) -> tuple[int, int | None, str]:
+    """(recommended batch, smallest batch within 2 % of the best samples/s, the reason).
+
+    Why the throughput rule: past the point where a GPU is saturated a larger batch
+    only adds memory pressure (and changes the optimization), not speed.
+
+    >>> m = lambda b, s: Measurement(b, True, 0, 0, s)
+    >>> recommend([m(1, 0.01), m(64, 0.50), m(128, 1.0), m(256, 2.0)], 256, 0.05)[:2]
+    (64, 64)
+    """
+    speeds = {t.batch_size: t.samples_per_second for t in trials if t.fits and t.samples_per_second}
+    speeds = {b: s for b, s in speeds.items() if b <= headroom_batch}
+    fastest = None
+    if speeds:
+        best = max(speeds.values())
+        fastest = min(b for b, s in speeds.items() if s >= (1 - THROUGHPUT_TOLERANCE) * best)
+    # "Stops growing" needs a larger batch measured and found no faster; the fastest
+    # batch being the largest one measured says nothing about the sizes above it.
+    if fastest is not None and fastest < max(speeds):
+        return fastest, fastest, (
+            f"throughput stops growing at batch {fastest} (within {THROUGHPUT_TOLERANCE:.0%} of the best "
+            f"samples/s); {headroom_batch} would fit with {headroom:.0%} headroom"
+        )
+    return headroom_batch, fastest, f"the largest batch with peak reserved memory within {1 - headroom:.0%} of capacity"
+
+
+def _does_not_fit_message(describe: str, trials: Sequence[Measurement], space: SearchSpace, capacity: int | None) -> str:
+    smallest = min((t for t in trials if not t.fits), key=lambda t: t.batch_size, default=None)
+    batch = smallest.batch_size if smallest else space.multiple_of
+    cap = format_size(capacity) if capacity else "its memory"
+    ran_out = ""
+    if smallest is not None and smallest.peak_reserved:
+        ran_out = f" (it ran out of memory with {format_size(smallest.peak_reserved)} reserved)"
+    return (
+        f"{describe} does not fit even at batch size {batch}: one training step needs more than the "
+        f"{cap} the device has{ran_out}; try bf16, checkpointing, a smaller model, or "
+        "`memfit estimate` to see where the memory goes"
+    )
+
+
+# -- the device-facing part ---------------------------------------------------------------
+
+
+def probe(
+    workload: Workload | str,
+    device: Device | str = "auto",
+    settings: Settings | None = None,
+    *,
+    max_batch_size: int | None = None,
+    multiple_of: int = 1,
+    headroom: float = 0.05,
+    guess: int | str | None = "estimate",
+    progress: Progress | None = None,
+    preserve: Sequence[Any] = (),
+) -> ProbeResult:
+    """Find the largest batch that fits on ``device`` (exact) and the batch to use.
+
+    ``settings`` give precision, checkpointing and accumulation (the batch probed is the
+    micro-batch). ``guess`` is a predicted maximum, tried first, so a right guess ends the
+    search in two trials; ``guess="estimate"`` (the default) asks :func:`memfit.estimate`
+    for it on a device whose memory is known, and searches from batch 1 when the
+    estimator cannot run the step; ``guess=None`` always searches from batch 1. ``preserve`` lists further
+    objects to put back afterwards (a GradScaler, an LR scheduler). Under a process group
+    every rank must call this; all return the smallest maximum over the ranks.
+    """
+    if not 0 <= headroom < 1:
+        raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
+    wl = load_workload(workload)
+    if device == "auto" and distributed.is_distributed() and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU, not every rank's cuda:0
+    gpu = make_device(device)
+    settings = settings or Settings()
+    if isinstance(guess, str) and guess != "estimate":
+        raise MemfitError(f"invalid guess {guess!r}: a batch size, or 'estimate'")
+    space = SearchSpace(
+        capacity=_search_capacity(gpu),
+        multiple_of=multiple_of,
+        max_batch_size=max_batch_size,
+        guess=guess if isinstance(guess, int) else None,
+    )
+    if space.capacity is None and max_batch_size is None:
+        raise MemfitError(f"{gpu.describe()} has no memory limit: give max_batch_size (--max-batch-size)")
+
+    failure: BaseException | None = None
+    found: Search | None = None
+    try:
+        with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *preserve) as snapshot:
+            probed = _preserving_optimizers(wl, snapshot)
+            if guess == "estimate":
+                space = dataclasses.replace(space, guess=estimated_guess(wl, gpu, settings, max_batch_size))
+
+            def trial(batch_size: int) -> Measurement:
+                return measure(probed, batch_size, gpu, settings, steps=TRIAL_STEPS)
+
+            found = search(trial, space, capacity=gpu.capacity, headroom=headroom, progress=progress, describe=f"{wl.name} on {gpu.describe()}")
+    except Exception as error:  # noqa: BLE001 - re-raised below, after the ranks agree
+        failure = error
+    return _agree(found, failure, gpu, wl, space, headroom)
+
+
+def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: int | None) -> int | None:
+    """The estimator's largest batch, as the search's first guess (None when unknown).
+
+    Why tolerate a failure: the guess only saves trials; an operation fake tensors cannot
+    run must not stop a probe that real trials can do.
+    """
+    if gpu.capacity is None or not workload.builds_fresh_models:
+        # A model instance comes with the script's own optimizer (bound to the real
+        # parameters), which a fake-tensor run must not touch: search from batch 1.
+        return None
+    from memfit.estimator.estimate import estimate
+
+    try:
+        predicted = estimate(workload, None, settings.replace(micro_batch_size=None), device=gpu, search_limit=limit)
+    except Exception:  # noqa: BLE001 - only the starting point is lost; real trials follow
+        # A bug in the user's step shows up unchanged in the first real trial.
+        return None
+    return predicted.max_batch_size or None
+
+
+def _preserving_optimizers(workload: Workload, snapshot: Snapshot) -> Workload:
+    """The workload with its optimizer factory snapshotting each optimizer it returns.
+
+    Why: a workload made in a training script may hand out the script's own optimizer
+    (``optimizer=lambda params: opt``); probing steps it, so its state must come back.
+    A fresh optimizer per trial is snapshotted too, harmlessly (its state is empty).
+    """
+    if workload.builds_fresh_models:
+        return workload
+    make = workload.optimizer
+
+    def optimizer(params: Any) -> torch.optim.Optimizer:
+        made = make(params)
+        snapshot.add(made)
+        return made
+
+    return dataclasses.replace(workload, optimizer=optimizer)
+
+
+def _search_capacity(gpu: Device) -> int | None:
+    """The memory the search aims at: on CUDA, no more than this process can still reserve.
+
+    Why: the CUDA context and other processes take memory that never shows up in
+    PyTorch's reserved bytes, so predicting against the card's total would overshoot.
+    """
+    if isinstance(gpu, CudaDevice) and gpu.capacity is not None:
+        free, _total = torch.cuda.mem_get_info(gpu.torch_device)
+        return max(1, min(gpu.capacity, gpu.memory_reserved() + free))
+    return gpu.capacity
+
+
+_OK, _DOES_NOT_FIT, _FAILED = 0, 1, 2
+
+
+def _agree(
+    found: Search | None,
+    failure: BaseException | None,
+    gpu: Device,
+    workload: Workload,
+    space: SearchSpace,
+    headroom: float,
+) -> ProbeResult:
+    """Make every rank return the same answer, or every rank raise.
+
+    Why this shape: each rank runs its own number of trials (its device may be smaller),
+    so the ranks meet only here, and every rank makes exactly the same collectives: one
+    for "did anyone fail", then, unless someone did, one per agreed number.
+    """
+    code = _OK if failure is None else _DOES_NOT_FIT if isinstance(failure, DoesNotFitError) else _FAILED
+    worst = distributed.agree_max(code)
+    if worst != _OK:
+        if failure is not None and code == worst:
+            raise failure
+        if worst == _DOES_NOT_FIT:
+            raise DoesNotFitError(
+                f"{workload.name} does not fit even at batch size {space.multiple_of} on another rank's device"
+            )
+        raise MemfitError("memfit probe failed on another rank; see that rank's error")
+    assert found is not None
+    maximum = distributed.agree_min(found.max_batch_size)
+    headroom_batch = min(distributed.agree_min(found.headroom_batch_size), maximum)
+    recommended = min(distributed.agree_min(found.recommended_batch_size), headroom_batch)
+    reason = found.reason
+    if recommended != found.recommended_batch_size:
+        reason = f"the smallest recommendation over {distributed.world_size()} ranks"
+    limit = found.limit if maximum == found.max_batch_size else "memory"
+    return ProbeResult(
+        max_batch_size=maximum,
+        recommended_batch_size=recommended,
+        headroom_batch_size=headroom_batch,
+        throughput_batch_size=found.throughput_batch_size,
+        reason=reason,
+        limit=limit,
+        trials=found.trials,
+        trial_steps=TRIAL_STEPS * len(found.trials),
+        capacity=gpu.capacity,
+        headroom=headroom,
+        multiple_of=space.multiple_of,
+        device=gpu.spec,
+        workload=workload.name,
+        world_size=distributed.world_size() if distributed.is_distributed() else 1,
+        local_max_batch_size=found.max_batch_size,
+    )

@@ -1,0 +1,6 @@
+"""Workloads: one training step described so memfit can run it at any batch size.
+
+- :mod:`memfit.workload.spec`: :class:`Workload` and the helpers every step uses;
+- :mod:`memfit.workload.zoo`: the built-in workloads (``mlp``, ``gpt2``, ...);
+- :func:`load_workload` resolves a reference (zoo name, ``file.py:fn``, ``module:fn``).
+"""

@@ -1,0 +1,371 @@
+"""Built-in workloads, randomly initialised, nothing downloaded.
+
+A zoo reference is a name, optionally followed by ``:`` and comma-separated options:
+``gpt2``, ``gpt2:n_layer=2,seq_len=128``, ``resnet50:image_size=64``.
+
+==============  ===============================================  =====================================
+name            model (default shapes)                           options
+==============  ===============================================  =====================================
+``mlp``         pure torch MLP, 4 blocks of 1024, 1024 features  layers, width, features, classes
+``convnet``     pure torch CNN, 4 conv blocks, 64 ch, 64x64 RGB  blocks, channels, image_size, classes
+``gpt2``        GPT-2 124M, causal LM, sequence 1024             seq_len + GPT2Config fields
+``bert-base``   BERT base, masked LM, sequence 512               seq_len + BertConfig fields
+``vit-base``    ViT-B/16, image classification, 224x224          image_size + ViTConfig fields
+``resnet50``    ResNet-50, image classification, 224x224         image_size + ResNetConfig fields
+``llama-1b``    Llama 3.2 1B shapes, causal LM, sequence 2048    seq_len + LlamaConfig fields
+``llama-7b``    Llama 2 7B shapes, causal LM, sequence 2048      seq_len + LlamaConfig fields
+==============  ===============================================  =====================================
+
+Every transformers entry also accepts ``layers``, ``hidden``, ``heads`` and
+``intermediate`` as short names for its config's fields, and ``classes`` / ``vocab``.
+Batches are worst-case: every sequence at full length, every token a label.
+
+>>> wl = build("mlp", "layers=2,width=64")
+>>> wl.info["layers"]
+2
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfit.errors import WorkloadError
+from memfit.workload.spec import Workload
+
+__all__ = ["ENTRIES", "DEFAULT_WORKLOAD", "TINY", "build", "parse_options", "names"]
+
+#: what every command runs when no workload is given: a small GPT-2 (2 layers, width 128,
+#: 64 tokens, a 4096-token vocabulary), so `memfit fit` on a laptop CPU, with its trials in
+#: three precisions on a simulated GPU, finishes in about a minute.
+DEFAULT_WORKLOAD = "gpt2:n_layer=2,n_embd=128,n_head=4,seq_len=64,vocab_size=4096"
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """Parse ``"n_layer=2,seq_len=128"`` into ``{"n_layer": 2, "seq_len": 128}``."""
+    options: dict[str, Any] = {}
+    if not text.strip():
+        return options
+    for item in _split_top_level(text):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise WorkloadError(f"bad zoo option {item.strip()!r}: write key=value, comma-separated")
+        options[key] = _parse_value(value.strip())
+    return options
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets, so ``depths=[1,1],image_size=32`` is two options."""
+    items, depth, current = [], 0, []
+    for char in text:
+        if char in "[(":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        if char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    items.append("".join(current))
+    return items
+
+
+def _parse_value(value: str) -> Any:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
+
+
+# -- pure torch models ------------------------------------------------------------------
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.linear(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, features: int, width: int, layers: int, classes: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(MLPBlock(width) for _ in range(layers))
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.norm(self.conv(x)))
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels: int, blocks: int, classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.Sequential(*(ConvBlock(channels) for _ in range(blocks)))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(F.relu(self.stem(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def _classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    inputs, labels = batch
+    return F.cross_entropy(model(inputs), labels)
+
+
+def _mlp(layers: int = 4, width: int = 1024, features: int = 1024, classes: int = 10) -> Workload:
+    def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, features), torch.randint(0, classes, (n,))
+
+    return Workload(
+        model=lambda: MLP(features, width, layers, classes),
+        make_batch=make_batch,
+        loss=_classification_loss,
+        info={"features": features, "width": width, "layers": layers},
+    )
+
+
+def _convnet(blocks: int = 4, channels: int = 64, image_size: int = 64, classes: int = 10) -> Workload:
+    def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, image_size, image_size), torch.randint(0, classes, (n,))
+
+    return Workload(
+        model=lambda: ConvNet(channels, blocks, classes),
+        make_batch=make_batch,
+        loss=_classification_loss,
+        info={"image_size": image_size, "channels": channels, "blocks": blocks},
+    )
+
+
+# -- transformers models ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _HFEntry:
+    """A transformers model built from its config class with random weights."""
+
+    config: str  # config class name in transformers
+    model: str  # model class name in transformers
+    defaults: dict[str, Any]
+    aliases: dict[str, str]
+    kind: str  # "causal", "masked", "image"
+    shape_default: int  # sequence length, or image size
+    description: str
+
+    def build(self, options: dict[str, Any], name: str) -> Workload:
+        try:
+            import transformers
+        except ImportError:
+            raise WorkloadError(
+                f"zoo workload {name!r} needs transformers: pip install 'memfit[hf]'"
+            ) from None
+        transformers.logging.set_verbosity_error()  # config chatter is not the user's problem
+        options = dict(options)
+        shape_key = "image_size" if self.kind == "image" else "seq_len"
+        shape = int(options.pop(shape_key, self.shape_default))
+        config_cls = getattr(transformers, self.config)
+        model_cls = getattr(transformers, self.model)
+        fields = dict(self.defaults)
+        known = set(config_cls().to_dict()) | set(self.defaults)
+        for key, value in options.items():
+            field_name = self.aliases.get(key, key)
+            if field_name not in known:
+                raise WorkloadError(
+                    f"unknown option {key!r} for zoo workload {name!r}: use {shape_key}, "
+                    f"{', '.join(sorted(self.aliases))} or a {self.config} field"
+                )
+            fields[field_name] = value
+        if self.kind == "image":
+            fields["image_size"] = shape
+        else:
+            fields.setdefault("use_cache", False)  # training keeps no KV cache
+        config = config_cls(**fields)
+        if self.kind != "image":
+            limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+            if limit is not None and shape > limit:
+                raise WorkloadError(f"zoo workload {name!r}: seq_len={shape} is longer than the model's {limit} positions")
+
+        def build_model() -> nn.Module:
+            return model_cls(config)
+
+        make_batch = _image_batch(config, shape) if self.kind == "image" else _token_batch(config, shape)
+        return Workload(
+            model=build_model,
+            make_batch=make_batch,
+            loss=_hf_loss,
+            info={shape_key: shape, "config": self.config, "description": self.description},
+        )
+
+
+def _token_batch(config: Any, seq_len: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    vocab = int(config.vocab_size)
+
+    def make_batch(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab, (n, seq_len))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    return make_batch
+
+
+def _image_batch(config: Any, image_size: int) -> Callable[[int], dict[str, torch.Tensor]]:
+    classes = int(getattr(config, "num_labels", 1000))
+    channels = int(getattr(config, "num_channels", 3))
+
+    def make_batch(n: int) -> dict[str, torch.Tensor]:
+        return {
+            "pixel_values": torch.randn(n, channels, image_size, image_size),
+            "labels": torch.randint(0, classes, (n,)),
+        }
+
+    return make_batch
+
+
+def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+_LLAMA_ALIASES = {
+    "layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "heads": "num_attention_heads",
+    "intermediate": "intermediate_size",
+    "vocab": "vocab_size",
+}
+
+_HF_ENTRIES: dict[str, _HFEntry] = {
+    "gpt2": _HFEntry(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
+        {"layers": "n_layer", "hidden": "n_embd", "heads": "n_head", "vocab": "vocab_size"},
+        "causal",
+        1024,
+        "GPT-2 124M, causal LM",
+    ),
+    "bert-base": _HFEntry(
+        "BertConfig",
+        "BertForMaskedLM",
+        {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072},
+        {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+         "intermediate": "intermediate_size", "vocab": "vocab_size"},
+        "masked",
+        512,
+        "BERT base, masked LM",
+    ),
+    "vit-base": _HFEntry(
+        "ViTConfig",
+        "ViTForImageClassification",
+        {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072,
+         "patch_size": 16, "num_labels": 1000},
+        {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+         "intermediate": "intermediate_size", "classes": "num_labels"},
+        "image",
+        224,
+        "ViT-B/16, image classification",
+    ),
+    "resnet50": _HFEntry(
+        "ResNetConfig",
+        "ResNetForImageClassification",
+        {"depths": [3, 4, 6, 3], "hidden_sizes": [256, 512, 1024, 2048], "embedding_size": 64,
+         "layer_type": "bottleneck", "num_labels": 1000},
+        {"classes": "num_labels"},
+        "image",
+        224,
+        "ResNet-50, image classification",
+    ),
+    "llama-1b": _HFEntry(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 131072,
+         "tie_word_embeddings": True, "head_dim": 64},
+        _LLAMA_ALIASES,
+        "causal",
+        2048,
+        "Llama 3.2 1B shapes, causal LM",
+    ),
+    "llama-7b": _HFEntry(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+         "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096},
+        _LLAMA_ALIASES,
+        "causal",
+        2048,
+        "Llama 2 7B shapes, causal LM",
+    ),
+}
+
+_TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {"mlp": _mlp, "convnet": _convnet}
+
+#: every zoo name, in the order of the table above
+ENTRIES: tuple[str, ...] = tuple(_TORCH_ENTRIES) + tuple(_HF_ENTRIES)
+
+
+#: every entry at shapes small enough that two steps take a fraction of a second on a CPU
+#: (for tests, doctests and the benchmarks' "small options")
+TINY: dict[str, str] = {
+    "mlp": "mlp:layers=2,width=32,features=16",
+    "convnet": "convnet:blocks=2,channels=8,image_size=16",
+    "gpt2": "gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=16,vocab_size=128",
+    "bert-base": "bert-base:layers=1,hidden=32,heads=2,intermediate=64,seq_len=16,vocab_size=128",
+    "vit-base": "vit-base:layers=1,hidden=32,heads=2,intermediate=64,image_size=32,classes=10",
+    "resnet50": "resnet50:image_size=32,depths=[1,1],hidden_sizes=[16,32],embedding_size=8,classes=10",
+    "llama-1b": "llama-1b:layers=1,hidden=32,heads=2,num_key_value_heads=1,head_dim=16,intermediate=64,vocab_size=128,seq_len=16",
+    "llama-7b": "llama-7b:layers=1,hidden=32,heads=2,num_key_value_heads=2,intermediate=64,vocab_size=128,seq_len=16",
+}
+
+
+def names() -> list[str]:
+    return list(ENTRIES)
+
+
+def build(name: str, options_text: str = "") -> Workload:
+    """Build the zoo workload ``name`` with options such as ``"n_layer=2,seq_len=128"``."""
+    options = parse_options(options_text)
+    if name in _TORCH_ENTRIES:
+        factory = _TORCH_ENTRIES[name]
+        import inspect
+
+        allowed = inspect.signature(factory).parameters
+        for key, value in options.items():
+            if key not in allowed:
+                raise WorkloadError(
+                    f"unknown option {key!r} for zoo workload {name!r}: use {', '.join(allowed)}"
+                )
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise WorkloadError(f"zoo workload {name!r}: {key} must be a positive integer, not {value!r}")
+        workload = factory(**options)
+    elif name in _HF_ENTRIES:
+        workload = _HF_ENTRIES[name].build(options, name)
+    else:
+        raise WorkloadError(f"unknown zoo workload {name!r}: use one of {', '.join(ENTRIES)}")
+    workload.name = f"{name}:{options_text}" if options_text else name
+    return workload
