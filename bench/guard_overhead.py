@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_section  # noqa: E402
 
 import memfit  # noqa: E402
-from memfit.guard.splitter import Guard  # noqa: E402
-from memfit.workload.spec import move_to  # noqa: E402
+from memfit.guard import Guard  # noqa: E402
+from memfit.workload import move_to  # noqa: E402
 
 
 def _timed(step: Callable[[], float], sync: Callable[[], None]) -> float:

@@ -52,7 +52,7 @@ from memfit.memory.oom import release_cached_memory  # noqa: E402
 from memfit.search.probe import probe  # noqa: E402
 from memfit.run.settings import Settings  # noqa: E402
 from memfit.run.steps import run_steps  # noqa: E402
-from memfit.workload.spec import Workload  # noqa: E402
+from memfit.workload import Workload  # noqa: E402
 
 #: (workload, simulated GPU): budgets chosen for maxima from about 100 to a few thousand
 CASES: list[tuple[str, str]] = [

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from memfit.search.policy import (
+from memfit.batch_search import (
     DEFAULT_CEILING,
     Outcome,
     SearchSpace,

@@ -12,10 +12,8 @@ import pytest
 import torch
 
 from memfit.environment.doctor import (
-    Finding,
+    EnvironmentFinding,
     TrainingHints,
-    arch_supported,
-    base_version,
     check_allocator,
     check_arch,
     check_cuda_driver,
@@ -28,11 +26,15 @@ from memfit.environment.doctor import (
     check_torch_build,
     check_torch_sees_gpus,
     check_visible_devices,
-    cuda_tag_version,
     diagnose,
+    parse_alloc_conf,
+)
+from memfit.environment.versions import (
+    arch_supported,
+    base_version,
+    cuda_tag_version,
     format_cudnn_version,
     min_driver_for,
-    parse_alloc_conf,
     pick_cuda_build,
     version_tuple,
 )
@@ -61,7 +63,7 @@ def cuda_torch(version: str = "2.5.1+cu124", cuda: str = "12.4", arch_list: tupl
                       cuda_available=available, device_count=1 if available else 0)
 
 
-def only(findings: list[Finding], severity: str | None = None) -> Finding:
+def only(findings: list[EnvironmentFinding], severity: str | None = None) -> EnvironmentFinding:
     """The one finding of a check (and of ``severity`` when given)."""
     chosen = [f for f in findings if severity is None or f.severity == severity]
     assert len(chosen) == 1, findings

@@ -12,7 +12,7 @@ from torch import nn
 import memfit
 from memfit.estimator.breakdown import Peak, analyze
 from memfit.errors import MemfitError
-from memfit.search.policy import Outcome
+from memfit.batch_search import Outcome
 from memfit.estimator.estimate import apply_sharding, estimate, largest_fitting, resolve_target
 from memfit.estimator.fake import UnsupportedOperation, run_fake_steps
 from memfit.memory.gpus import lookup

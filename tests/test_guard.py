@@ -24,15 +24,9 @@ from torch import nn
 import memfit
 from memfit.guard.batching import chunk_sizes
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.guard.splitter import (
-    Guard,
-    GuardError,
-    SplitPolicy,
-    _reset_scaler_step_state,
-    expected_optimizer_state_bytes,
-    grow,
-    halve,
-)
+from memfit.guard import Guard, GuardError, SplitPolicy
+from memfit.guard.gradients import expected_optimizer_state_bytes, reset_scaler_step_state
+from memfit.guard.policy import grow, halve
 from memfit.memory.allocator import round_size
 from memfit.units import MiB
 
@@ -352,7 +346,7 @@ def test_reset_scaler_step_state_allows_a_fresh_unscale() -> None:
     scaler.unscale_(optimizer)
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_(optimizer)
-    _reset_scaler_step_state(scaler)
+    reset_scaler_step_state(scaler)
     scaler.unscale_(optimizer)  # the discarded step's record is gone
 
 

@@ -69,7 +69,7 @@ def worker(rank: int, store: str, where: str, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from memfit.guard.splitter import Guard
+    from memfit.guard import Guard
 
     torch.set_num_threads(1)
     gc.freeze()  # each recovered OOM runs gc.collect(); frozen imports make it cheap here

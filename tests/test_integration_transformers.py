@@ -21,7 +21,6 @@ transformers = pytest.importorskip("transformers")
 from memfit.integrations.transformers import (  # noqa: E402
     MEMORY_METRICS,
     MemfitTrainer,
-    MemoryCallback,
     micro_batch_factor,
 )
 

@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.monitor.monitor import Monitor, RecordedRun, jsonable_label, read_run
+from memfit.monitor.monitor import Monitor, jsonable_label
+from memfit.monitor.runfile import RecordedRun, read_run
 from memfit.units import format_size
 
 MiB = 2**20

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import memfit
-from memfit.search.policy import SearchSpace
+from memfit.batch_search import SearchSpace
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.measure import Measurement, measure
 from memfit.search.probe import TRIAL_STEPS, ProbeResult, probe, recommend, search
-from memfit.workload.spec import Workload
+from memfit.workload import Workload
 
 MiB = 2**20
 

@@ -12,10 +12,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memfit.monitor.findings import Finding
+from memfit.monitor.findings import MemoryFinding
 from memfit.run.measure import Measurement
+from memfit._html import html_table, is_byte_key, to_html
+from memfit._io import write_atomically
 from memfit.monitor.monitor import Monitor
-from memfit.reporting.pages import html_table, is_byte_key, timeline_png, to_html, write_atomically, write_report
+from memfit.monitor.timeline import timeline_png
+from memfit.reporting.pages import write_report
 
 MiB = 2**20
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -93,7 +96,7 @@ def test_html_table_formats_sizes_escapes_text_and_fills_missing_cells():
         ({"breakdown": {"activation": 5 * MiB}}, ['<th>activation</th><td title="5242880 bytes">5.00 MiB</td>']),
         ([{"batch_size": 4}, {"batch_size": 8}], ["<th>batch_size</th>", "<td>4</td>", "<td>8</td>"]),
         ({"trials": [{"batch_size": 2}]}, ["<th>trials</th><td><table", "<td>2</td>"]),
-        (Finding(kind="leak", title="Memory leak: +1 B per step", summary="grew", first_step=0, last_step=9,
+        (MemoryFinding(kind="leak", title="Memory leak: +1 B per step", summary="grew", first_step=0, last_step=9,
                  causes=("`total = total + loss`",)),
          ['class="finding leak"', "<code>total = total + loss</code>"]),
         ("plain", ["<pre>plain</pre>"]),
@@ -279,7 +282,7 @@ def test_monitor_writes_its_own_report(tmp_path):
         for _ in range(12):
             kept.append(torch.empty(1024))  # 4 KiB kept per step
             monitor.step()
-    files = monitor.write_report(tmp_path / "m.html")
+    files = write_report(monitor, tmp_path / "m.html")
     assert [f.kind for f in files.findings] == ["leak"]
     assert files.png == tmp_path / "m-timeline.png" and files.png.exists()
     assert "Memory leak: +4.00 KiB per step" in files.html.read_text()

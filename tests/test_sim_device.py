@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import memfit
+from memfit.run.steps import run_steps
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.devices import SimDevice
 
@@ -70,7 +71,7 @@ def test_autograd_and_optimizer_memory_is_seen():
 def test_budget_resets_between_devices_and_back_to_baseline_after_a_run():
     wl = memfit.load_workload("mlp:layers=2,width=64,features=32")
     gpu = memfit.device("sim:256MiB")
-    memfit.run_steps(wl, memfit.Settings(micro_batch_size=16), gpu, steps=2)
+    run_steps(wl, memfit.Settings(micro_batch_size=16), gpu, steps=2)
     gc.collect()
     assert gpu.memory_allocated() == 0
 

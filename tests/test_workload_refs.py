@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import memfit
+from memfit.run.steps import run_steps
 from memfit.errors import WorkloadError
 from memfit.workload.zoo import ENTRIES, TINY as TINY_ZOO, parse_options
 
@@ -79,7 +80,7 @@ def test_a_module_instance_is_trained_in_place():
     model = torch.nn.Linear(4, 2)
     wl = memfit.Workload(model=model, make_batch=lambda n: torch.randn(n, 4), loss=lambda m, b: m(b).square().mean())
     before = model.weight.detach().clone()
-    memfit.run_steps(wl, memfit.Settings(micro_batch_size=2), memfit.device("cpu"), steps=1)
+    run_steps(wl, memfit.Settings(micro_batch_size=2), memfit.device("cpu"), steps=1)
     assert not torch.equal(before, model.weight)
 
 

@@ -1,7 +1,8 @@
 """memfit: end "CUDA out of memory" in PyTorch training.
 
-The public API, re-exported from the modules that hold it (imported on first use, so
-``import memfit`` and ``memfit doctor`` stay fast):
+The public API is the names in ``__all__``; everything else lives in the subpackages
+(``memfit.memory``, ``memfit.estimator``, ...) for those who need the parts. Each name is
+imported on first use, so ``import memfit`` and ``memfit doctor`` stay fast.
 
 >>> import memfit
 >>> memfit.measure("mlp:layers=2,width=64", batch_size=16, device="sim:1GiB").fits
@@ -11,71 +12,78 @@ True
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import PackageNotFoundError, version as _version
 from typing import TYPE_CHECKING, Any
 
-try:
-    __version__ = _version("memfit")
-except PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.0.0"
+from memfit._version import __version__
 
 #: public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
-    # foundation
+    # errors and sizes
     "MemfitError": "memfit.errors",
-    "WorkloadError": "memfit.errors",
-    "DeviceError": "memfit.errors",
     "DoesNotFitError": "memfit.errors",
-    "parse_size": "memfit.units",
     "format_size": "memfit.units",
     "is_oom": "memfit.memory.oom",
-    "Workload": "memfit.workload.spec",
-    "load_workload": "memfit.workload.spec",
+    # what to run, and where
+    "Workload": "memfit.workload",
+    "load_workload": "memfit.workload",
     "Settings": "memfit.run.settings",
-    "Device": "memfit.memory.devices",
-    "SimDevice": "memfit.memory.devices",
-    "CudaDevice": "memfit.memory.devices",
     "device": "memfit.memory.devices",
-    "run_steps": "memfit.run.steps",
+    # how much memory, how many samples
     "measure": "memfit.run.measure",
     "Measurement": "memfit.run.measure",
-    # doctor and env
-    "diagnose": "memfit.environment.doctor",
-    "Diagnosis": "memfit.environment.doctor",
-    "TrainingHints": "memfit.environment.doctor",
-    "fingerprint": "memfit.environment.envfile",
-    "Fingerprint": "memfit.environment.envfile",
-    "Difference": "memfit.environment.envfile",
-    "compare": "memfit.environment.envfile",
-    "check_environment": "memfit.environment.envfile",
-    "export_environment": "memfit.environment.envfile",
-    "load_fingerprint": "memfit.environment.envfile",
-    # estimate, probe, guard
     "estimate": "memfit.estimator.estimate",
     "Estimate": "memfit.estimator.estimate",
     "probe": "memfit.search.probe",
     "ProbeResult": "memfit.search.probe",
-    "Guard": "memfit.guard.splitter",
-    # monitor and reports
-    "Monitor": "memfit.monitor.monitor",
-    "RecordedRun": "memfit.monitor.monitor",
-    "read_run": "memfit.monitor.monitor",
-    "analyze_steps": "memfit.monitor.findings",
-    "write_report": "memfit.reporting.pages",
-    "ReportFiles": "memfit.reporting.pages",
-    "to_html": "memfit.reporting.pages",
-    # plan, fit and lock
-    "fit": "memfit.search.fit",
-    "FitResult": "memfit.search.fit",
     "plan": "memfit.search.plan",
     "Plan": "memfit.search.plan",
+    "fit": "memfit.search.fit",
+    "FitResult": "memfit.search.fit",
     "Lock": "memfit.search.lock",
     "load_lock": "memfit.search.lock",
-    "write_lock": "memfit.search.lock",
     "check_lock": "memfit.search.lock",
+    # while training
+    "Guard": "memfit.guard",
+    "Monitor": "memfit.monitor.monitor",
+    "read_run": "memfit.monitor.runfile",
+    "write_report": "memfit.reporting.pages",
+    # the environment
+    "diagnose": "memfit.environment.doctor",
+    "export_environment": "memfit.environment.envfile",
+    "check_environment": "memfit.environment.envfile",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "__version__",
+    "MemfitError",
+    "DoesNotFitError",
+    "format_size",
+    "is_oom",
+    "Workload",
+    "load_workload",
+    "Settings",
+    "device",
+    "measure",
+    "Measurement",
+    "estimate",
+    "Estimate",
+    "probe",
+    "ProbeResult",
+    "plan",
+    "Plan",
+    "fit",
+    "FitResult",
+    "Lock",
+    "load_lock",
+    "check_lock",
+    "Guard",
+    "Monitor",
+    "read_run",
+    "write_report",
+    "diagnose",
+    "export_environment",
+    "check_environment",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -92,30 +100,21 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from memfit.environment.doctor import Diagnosis, TrainingHints, diagnose
-    from memfit.environment.envfile import (
-        Difference,
-        Fingerprint,
-        check_environment,
-        compare,
-        export_environment,
-        fingerprint,
-        load_fingerprint,
-    )
+    from memfit.environment.doctor import diagnose
+    from memfit.environment.envfile import check_environment, export_environment
+    from memfit.errors import DoesNotFitError, MemfitError
     from memfit.estimator.estimate import Estimate, estimate
-    from memfit.monitor.findings import analyze_steps
-    from memfit.search.fit import FitResult, fit
-    from memfit.guard.splitter import Guard
-    from memfit.monitor.monitor import Monitor, RecordedRun, read_run
-    from memfit.search.probe import ProbeResult, probe
-    from memfit.reporting.pages import ReportFiles, to_html, write_report
-    from memfit.errors import DeviceError, DoesNotFitError, MemfitError, WorkloadError
-    from memfit.search.lock import Lock, check_lock, load_lock, write_lock
-    from memfit.run.measure import Measurement, measure
-    from memfit.memory.devices import CudaDevice, Device, SimDevice, device
+    from memfit.guard import Guard
+    from memfit.memory.devices import device
     from memfit.memory.oom import is_oom
-    from memfit.search.plan import Plan, plan
+    from memfit.monitor.monitor import Monitor
+    from memfit.monitor.runfile import read_run
+    from memfit.reporting.pages import write_report
+    from memfit.run.measure import Measurement, measure
     from memfit.run.settings import Settings
-    from memfit.run.steps import run_steps
-    from memfit.units import format_size, parse_size
-    from memfit.workload.spec import Workload, load_workload
+    from memfit.search.fit import FitResult, fit
+    from memfit.search.lock import Lock, check_lock, load_lock
+    from memfit.search.plan import Plan, plan
+    from memfit.search.probe import ProbeResult, probe
+    from memfit.units import format_size
+    from memfit.workload import Workload, load_workload

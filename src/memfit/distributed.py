@@ -5,19 +5,26 @@ different collectives and the job hangs. Each helper here is one all-reduce that
 rank must call at the same point; without an initialized process group they answer
 for this process alone, so single-GPU code needs no special case.
 
+It also joins the process group torchrun describes (:func:`process_group`), so every
+memfit command and function works the same way on every rank.
+
 >>> agree_min(42)   # no process group: this process's own value
 42
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "launched_by_torchrun",
+    "process_group",
+    "output_on_main_only",
     "is_distributed",
     "rank",
     "world_size",
@@ -30,6 +37,54 @@ __all__ = [
     "average_gradients_",
     "broadcast_from_main_",
 ]
+
+
+def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
+    """True when the environment describes a job of several processes (torchrun's variables).
+
+    >>> launched_by_torchrun({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+    True
+    >>> launched_by_torchrun({"WORLD_SIZE": "1"})
+    False
+    """
+    env = os.environ if environ is None else environ
+    needed = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+    return int(env.get("WORLD_SIZE", "1")) > 1 and all(name in env for name in needed)
+
+
+@contextlib.contextmanager
+def process_group(backend: str | None = None) -> Iterator[bool]:
+    """Join the process group torchrun describes for the duration; yield True when distributed.
+
+    Why leave it afterwards: a group this made is this block's; one that already
+    existed (the user's, Lightning's) is used as it is and left alone.
+    """
+    if not launched_by_torchrun() or not dist.is_available() or dist.is_initialized():
+        yield dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return
+    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if chosen == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=chosen)
+    try:
+        yield True
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def output_on_main_only(rank: int | None = None) -> Iterator[None]:
+    """Send stdout to nowhere on every rank but 0 (errors still reach stderr).
+
+    Why: N processes printing the same agreed answer is noise, and N JSON documents on
+    one stdout are not JSON.
+    """
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    if rank == 0:
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
 
 
 def is_distributed() -> bool:

@@ -15,7 +15,7 @@ import sys
 
 import click
 
-from memfit import __version__
+from memfit._version import __version__
 from memfit.errors import MemfitError
 
 __all__ = ["main", "cli", "COMMANDS", "entry_point"]

@@ -17,7 +17,7 @@ from memfit.cli.options import (
 from memfit.run.measure import measure
 from memfit.memory.devices import device
 from memfit.units import format_size
-from memfit.workload.spec import load_workload
+from memfit.workload import load_workload
 
 
 @click.command("measure")

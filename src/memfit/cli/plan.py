@@ -17,7 +17,7 @@ from memfit.memory.devices import device
 from memfit.search.plan import Candidate, Plan, plan
 from memfit.run.settings import CHECKPOINTING, PRECISIONS
 from memfit.units import format_size
-from memfit.workload.spec import load_workload
+from memfit.workload import load_workload
 
 
 @click.command("plan")
@@ -72,7 +72,8 @@ def write_plot(result: Plan, path: str) -> None:
     from pathlib import Path
 
     from memfit.errors import MemfitError
-    from memfit.reporting.pages import plan_png, write_atomically
+    from memfit._io import write_atomically
+    from memfit.reporting.figures import plan_png
 
     png = plan_png(result.to_dict())
     if png is None:

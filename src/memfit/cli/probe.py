@@ -28,12 +28,12 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.errors import MemfitError
-from memfit.integrations.torchrun import process_group, rank_device
+from memfit.distributed import process_group
 from memfit.run.measure import Measurement
-from memfit.memory.devices import Device, device as make_device
+from memfit.memory.devices import Device, device as make_device, rank_device
 from memfit.search.probe import ProbeResult, probe
 from memfit.units import format_size
-from memfit.workload.spec import load_workload
+from memfit.workload import load_workload
 
 #: the bar's length: the search usually proves its answer within this many trials
 EXPECTED_TRIALS = 10
@@ -89,7 +89,8 @@ def command(
     if not main:
         return
     if plot_path is not None:
-        from memfit.reporting.pages import probe_png, write_atomically
+        from memfit._io import write_atomically
+        from memfit.reporting.figures import probe_png
 
         write_atomically(plot_path, probe_png(result.to_dict()) or b"")
     if as_json:

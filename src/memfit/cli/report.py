@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from memfit.cli.options import console, json_option, print_json
-from memfit.monitor.monitor import read_run
+from memfit.monitor.runfile import read_run
 from memfit.reporting.pages import write_report
 
 _RESULT = click.Path(exists=True, dir_okay=False, path_type=Path)

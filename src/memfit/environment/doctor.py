@@ -1,7 +1,7 @@
 """Environment findings: the causes of OOM (and of fake OOM) that are not the model.
 
 Each check is a small pure function of probed facts (:mod:`memfit.environment.system`) returning
-:class:`Finding` s: a severity (``error``, ``warning``, ``info``), one line saying what is
+:class:`EnvironmentFinding` s: a severity (``error``, ``warning``, ``info``), one line saying what is
 wrong and one line with the command or setting that fixes it. :func:`diagnose` runs them
 all against a :class:`~memfit.environment.system.SystemProbe` (the live machine by default).
 
@@ -31,17 +31,32 @@ from memfit.environment.system import (
     SystemProbe,
     TorchFacts,
 )
+from memfit.environment.versions import (
+    ALLOC_CONF_KEYS,
+    ARCH_MIN_CUDA,
+    WHEEL_INDEX,
+    LATEST_RELEASE,
+    NATIVE_ONLY_KEYS,
+    TORCH_CUDA_BUILDS,
+    arch_supported,
+    base_version,
+    cuda_builds,
+    cuda_tag_version,
+    format_cudnn_version,
+    install_command,
+    min_driver_for,
+    parse_cuda,
+    pick_cuda_build,
+    version_tuple,
+)
 from memfit.units import GiB, format_size
 
 __all__ = [
-    "Finding",
+    "EnvironmentFinding",
     "TrainingHints",
     "Diagnosis",
     "diagnose",
-    "pick_cuda_build",
     "parse_alloc_conf",
-    "arch_supported",
-    "format_cudnn_version",
 ]
 
 Severity = Literal["error", "warning", "info"]
@@ -50,63 +65,11 @@ SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 #: share of a GPU that other processes (or unlisted users) may hold before we warn
 FOREIGN_SHARE = 0.10
 
-WHEEL_INDEX = "https://download.pytorch.org/whl"
-
-#: CUDA builds published for each torch release (download.pytorch.org); a release not
-#: listed uses the nearest older one
-TORCH_CUDA_BUILDS: dict[tuple[int, int], tuple[str, ...]] = {
-    (1, 13): ("cu116", "cu117"),
-    (2, 0): ("cu117", "cu118"),
-    (2, 1): ("cu118", "cu121"),
-    (2, 2): ("cu118", "cu121"),
-    (2, 3): ("cu118", "cu121"),
-    (2, 4): ("cu118", "cu121", "cu124"),
-    (2, 5): ("cu118", "cu121", "cu124"),
-    (2, 6): ("cu118", "cu124", "cu126"),
-    (2, 7): ("cu118", "cu126", "cu128"),
-    (2, 8): ("cu126", "cu128", "cu129"),
-    (2, 9): ("cu126", "cu128", "cu130"),
-    (2, 10): ("cu126", "cu128", "cu130"),
-    (2, 13): ("cu126", "cu129", "cu130", "cu132"),
-}
-
-#: the newest release in the table, for installs that do not keep a version
-LATEST_RELEASE = ".".join(map(str, max(TORCH_CUDA_BUILDS)))
-
-#: the oldest Linux driver of each CUDA release (NVIDIA's CUDA toolkit release notes)
-MIN_LINUX_DRIVER: dict[tuple[int, int], str] = {
-    (11, 6): "510.39.01", (11, 7): "515.43.04", (11, 8): "520.61.05", (12, 0): "525.60.13",
-    (12, 1): "530.30.02", (12, 2): "535.54.03", (12, 3): "545.23.06", (12, 4): "550.54.14",
-    (12, 5): "555.42.02", (12, 6): "560.28.03", (12, 8): "570.26", (12, 9): "575.51.03",
-    (13, 0): "580.65.06", (13, 2): "590.44.01",
-}
-
-#: the first CUDA release that compiles for each GPU architecture (sm_XY as XY)
-ARCH_MIN_CUDA: dict[int, tuple[int, int]] = {
-    80: (11, 0), 86: (11, 1), 87: (11, 4), 89: (11, 8), 90: (11, 8),
-    100: (12, 8), 101: (12, 8), 120: (12, 8), 103: (12, 9), 121: (12, 9), 110: (13, 0),
-}
-
-#: keys PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF accept (c10 AllocatorConfig, CUDAAllocatorConfig)
-ALLOC_CONF_KEYS = frozenset({
-    "backend", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-    "roundup_power2_divisions", "expandable_segments", "large_segment_size_mb",
-    "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
-    "pinned_use_hip_host_register", "pinned_use_host_register", "pinned_num_register_threads",
-    "pinned_use_background_threads", "pinned_max_round_threshold", "pinned_max_cached_size",
-    "pinned_reserve_segment_size_mb", "pinned_free_catch_all", "graph_capture_record_stream_reuse",
-    "per_process_memory_fraction", "throw_on_cudamalloc_oom",
-})
-#: keys the native caching allocator reads and backend:cudaMallocAsync ignores
-NATIVE_ONLY_KEYS = frozenset({
-    "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-    "roundup_power2_divisions", "expandable_segments",
-})
 ALLOC_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
 @dataclass(frozen=True)
-class Finding:
+class EnvironmentFinding:
     """One thing the doctor found: what is wrong (``message``) and what fixes it (``fix``)."""
 
     check: str
@@ -137,7 +100,7 @@ class TrainingHints:
 class Diagnosis:
     """Every finding, and the facts they were drawn from."""
 
-    findings: tuple[Finding, ...]
+    findings: tuple[EnvironmentFinding, ...]
     facts: dict[str, Any] = field(default_factory=dict)
 
     def count(self, severity: Severity) -> int:
@@ -159,104 +122,6 @@ class Diagnosis:
 
 
 # -- small pure helpers ------------------------------------------------------------------
-
-
-def version_tuple(text: str | None) -> tuple[int, ...]:
-    """Leading numbers of a version ("2.5.1+cu124" -> (2, 5, 1)), for ordering versions."""
-    if not text:
-        return ()
-    numbers = []
-    for part in re.split(r"[.+-]", text):
-        if not part.isdigit():
-            break
-        numbers.append(int(part))
-    return tuple(numbers)
-
-
-def base_version(torch_version: str) -> str:
-    """torch's version without the local build tag: "2.5.1+cu124" -> "2.5.1"."""
-    return torch_version.split("+", 1)[0]
-
-
-def cuda_tag_version(tag: str) -> tuple[int, int]:
-    """A wheel tag as a CUDA version: "cu124" -> (12, 4), "cu118" -> (11, 8)."""
-    digits = tag[2:]
-    return int(digits[:-1]), int(digits[-1])
-
-
-def cuda_builds(torch_version: str) -> tuple[str, ...]:
-    """The CUDA wheel tags published for this torch release (nearest older known release)."""
-    release = version_tuple(torch_version)[:2]
-    known = sorted(TORCH_CUDA_BUILDS)
-    older = [key for key in known if key <= release]
-    return TORCH_CUDA_BUILDS[older[-1] if older else known[0]]
-
-
-def pick_cuda_build(torch_version: str, driver_cuda: tuple[int, int] | None) -> str | None:
-    """The newest CUDA wheel of this torch release the driver can run, or None if none.
-
-    Why the newest: it carries kernels for the most GPU architectures.
-
-    >>> pick_cuda_build("2.5.1", (12, 2)), pick_cuda_build("2.7.0", (12, 8)), pick_cuda_build("2.5.1", (11, 4))
-    ('cu121', 'cu128', None)
-    """
-    builds = cuda_builds(torch_version)
-    if driver_cuda is None:
-        return builds[-1]
-    runnable = [tag for tag in builds if cuda_tag_version(tag) <= driver_cuda]
-    return runnable[-1] if runnable else None
-
-
-def install_command(torch_version: str, tag: str) -> str:
-    """pip command that replaces torch with the same release built for ``tag``."""
-    return f"pip install --force-reinstall torch=={base_version(torch_version)} --index-url {WHEEL_INDEX}/{tag}"
-
-
-def min_driver_for(cuda: tuple[int, int]) -> str | None:
-    """The oldest Linux driver that runs CUDA ``cuda`` (None when not in the table)."""
-    candidates = [version for key, version in sorted(MIN_LINUX_DRIVER.items()) if key >= cuda]
-    return candidates[0] if candidates else None
-
-
-def parse_cuda(text: str | None) -> tuple[int, int] | None:
-    """torch.version.cuda ("12.4") as (12, 4)."""
-    numbers = version_tuple(text)
-    return (numbers[0], numbers[1] if len(numbers) > 1 else 0) if numbers else None
-
-
-def format_cudnn_version(value: int) -> str:
-    """cuDNN's integer version as text: 90100 -> "9.1.0" (cuDNN 9), 8902 -> "8.9.2" (cuDNN 8).
-
-    >>> format_cudnn_version(90100), format_cudnn_version(8902)
-    ('9.1.0', '8.9.2')
-    """
-    if value >= 10000:
-        return f"{value // 10000}.{value % 10000 // 100}.{value % 100}"
-    return f"{value // 1000}.{value % 1000 // 100}.{value % 100}"
-
-
-def arch_supported(capability: tuple[int, int], arch_list: tuple[str, ...]) -> bool:
-    """True when torch's kernels run on a GPU of this compute capability.
-
-    Why these rules (CUDA's): a ``sm_XY`` cubin runs on the same major with minor >= Y
-    (``sm_90a`` only on 9.0 itself); ``compute_XY`` PTX is compiled at load time for any GPU
-    of capability >= XY.
-
-    >>> arch_supported((8, 6), ("sm_80", "sm_90")), arch_supported((12, 0), ("sm_80", "sm_90"))
-    (True, False)
-    """
-    device = 10 * capability[0] + capability[1]
-    for entry in arch_list:
-        kind, _, digits = entry.partition("_")
-        number = int(re.sub(r"\D", "", digits) or 0)
-        if kind == "compute" and device >= number:
-            return True
-        if kind == "sm":
-            if digits.endswith("a") and device == number:
-                return True
-            if not digits.endswith("a") and device // 10 == number // 10 and device >= number:
-                return True
-    return False
 
 
 def parse_alloc_conf(text: str) -> tuple[list[tuple[str, str]], list[str]]:
@@ -293,16 +158,16 @@ def _gib(nbytes: int | None) -> str:
 # -- the checks --------------------------------------------------------------------------
 
 
-def check_python(python: PythonFacts) -> list[Finding]:
+def check_python(python: PythonFacts) -> list[EnvironmentFinding]:
     """Which Python, and which environment manager can recreate it."""
     if python.manager == "conda":
         name = python.conda_env or python.prefix.rstrip("/").rsplit("/", 1)[-1]
-        return [Finding("python", "info", f"Python {python.version} in conda env '{name}' ({python.prefix})")]
+        return [EnvironmentFinding("python", "info", f"Python {python.version} in conda env '{name}' ({python.prefix})")]
     if python.manager == "venv":
         inside = f" (on conda env '{python.conda_env}')" if python.conda_env else ""
-        return [Finding("python", "info", f"Python {python.version} in virtual env {python.prefix}{inside}")]
+        return [EnvironmentFinding("python", "info", f"Python {python.version} in virtual env {python.prefix}{inside}")]
     major_minor = ".".join(python.version.split(".")[:2])
-    return [Finding(
+    return [EnvironmentFinding(
         "python", "warning",
         f"Python {python.version} is the system interpreter ({python.executable}): no venv or conda env isolates "
         "these packages, so memfit env export cannot name a reproducible environment",
@@ -310,44 +175,44 @@ def check_python(python: PythonFacts) -> list[Finding]:
     )]
 
 
-def check_nvml(nvidia: NvidiaFacts) -> list[Finding]:
+def check_nvml(nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
     """NVML present but failing usually means a driver upgraded without a reboot."""
     error = nvidia.error or ""
     if nvidia.gpus or not error or "Not Found" in error or "Driver Not Loaded" in error or "not found" in error:
         return []
-    return [Finding(
+    return [EnvironmentFinding(
         "driver", "error", f"the NVIDIA driver does not answer: {error}",
         "reboot (or reload the nvidia kernel modules) after a driver upgrade; check with: nvidia-smi",
     )]
 
 
-def check_torch_build(torch: TorchFacts, nvidia: NvidiaFacts) -> list[Finding]:
+def check_torch_build(torch: TorchFacts, nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
     """CPU-only wheels with a GPU present, CUDA wheels without one, torch missing."""
     gpus = nvidia.gpus
     if torch.version is None:
         tag = pick_cuda_build(LATEST_RELEASE, nvidia.cuda_driver_version) if gpus else "cpu"
-        return [Finding("torch", "error", torch.error or "torch is not importable",
+        return [EnvironmentFinding("torch", "error", torch.error or "torch is not importable",
                         f"pip install torch --index-url {WHEEL_INDEX}/{tag or 'cpu'}")]
     if torch.hip:
-        return [Finding("torch", "info", f"torch {torch.version} is a ROCm build (HIP {torch.hip}): NVIDIA checks skipped")]
+        return [EnvironmentFinding("torch", "info", f"torch {torch.version} is a ROCm build (HIP {torch.hip}): NVIDIA checks skipped")]
     if torch.cuda is None:
         if not gpus:
             reason = f" ({nvidia.error})" if nvidia.error else ""
-            return [Finding("torch", "info", f"no GPU visible{reason}; torch {torch.version} is a CPU build, "
+            return [EnvironmentFinding("torch", "info", f"no GPU visible{reason}; torch {torch.version} is a CPU build, "
                                              "so training runs on the CPU")]
         names = ", ".join(sorted({gpu.name for gpu in gpus}))
         tag = pick_cuda_build(torch.version, nvidia.cuda_driver_version)
         fix = (install_command(torch.version, tag) if tag else
                f"upgrade the NVIDIA driver (it runs CUDA up to {_cuda_text(nvidia.cuda_driver_version)}), "
                f"then: {install_command(torch.version, cuda_builds(torch.version)[-1])}")
-        return [Finding("torch", "error", f"torch {torch.version} is a CPU-only build, but {len(gpus)} NVIDIA GPU(s) "
+        return [EnvironmentFinding("torch", "error", f"torch {torch.version} is a CPU-only build, but {len(gpus)} NVIDIA GPU(s) "
                                           f"are visible ({names}): every tensor stays on the CPU", fix)]
     if not gpus:
         reason = f" ({nvidia.error})" if nvidia.error else ""
-        return [Finding("torch", "warning",
+        return [EnvironmentFinding("torch", "warning",
                         f"torch {torch.version} is a CUDA {torch.cuda} build, but no NVIDIA GPU is visible{reason}",
                         "check the driver with nvidia-smi; in a container, start it with --gpus all")]
-    return [Finding("torch", "info", f"torch {torch.version}: CUDA {torch.cuda} build; torch sees "
+    return [EnvironmentFinding("torch", "info", f"torch {torch.version}: CUDA {torch.cuda} build; torch sees "
                                      f"{torch.device_count} of {len(gpus)} GPU(s)")]
 
 
@@ -355,7 +220,7 @@ def _cuda_text(version: tuple[int, int] | None) -> str:
     return "?" if version is None else f"{version[0]}.{version[1]}"
 
 
-def check_cuda_driver(torch: TorchFacts, nvidia: NvidiaFacts) -> list[Finding]:
+def check_cuda_driver(torch: TorchFacts, nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
     """torch's CUDA against the highest CUDA the driver runs (NVML's CUDA driver version)."""
     needed, driver = parse_cuda(torch.cuda), nvidia.cuda_driver_version
     if needed is None or driver is None or torch.version is None or not nvidia.gpus:
@@ -365,19 +230,19 @@ def check_cuda_driver(torch: TorchFacts, nvidia: NvidiaFacts) -> list[Finding]:
     upgrade = f"upgrade the NVIDIA driver to {minimum} or newer" if minimum else "upgrade the NVIDIA driver"
     fix = f"{install_command(torch.version, tag)}  (or {upgrade})" if tag else upgrade
     if needed[0] > driver[0]:
-        return [Finding("cuda-driver", "error",
+        return [EnvironmentFinding("cuda-driver", "error",
                         f"torch {torch.version} needs CUDA {torch.cuda}, but driver {nvidia.driver_version} "
                         f"runs CUDA only up to {_cuda_text(driver)}: CUDA cannot start", fix)]
     if needed > driver:
-        return [Finding("cuda-driver", "warning",
+        return [EnvironmentFinding("cuda-driver", "warning",
                         f"torch {torch.version} uses CUDA {torch.cuda}, driver {nvidia.driver_version} runs up to "
                         f"{_cuda_text(driver)}: it works only through CUDA minor-version compatibility "
                         "(kernels that need PTX JIT fail)", fix)]
-    return [Finding("cuda-driver", "info", f"driver {nvidia.driver_version} runs CUDA up to {_cuda_text(driver)}; "
+    return [EnvironmentFinding("cuda-driver", "info", f"driver {nvidia.driver_version} runs CUDA up to {_cuda_text(driver)}; "
                                            f"torch uses CUDA {torch.cuda}")]
 
 
-def check_torch_sees_gpus(torch: TorchFacts, nvidia: NvidiaFacts, environ: Mapping[str, str]) -> list[Finding]:
+def check_torch_sees_gpus(torch: TorchFacts, nvidia: NvidiaFacts, environ: Mapping[str, str]) -> list[EnvironmentFinding]:
     """A CUDA build that cannot use visible GPUs, when nothing else explains it."""
     needed, driver = parse_cuda(torch.cuda), nvidia.cuda_driver_version
     if torch.version is None or needed is None or not nvidia.gpus or torch.cuda_available or torch.error:
@@ -387,11 +252,11 @@ def check_torch_sees_gpus(torch: TorchFacts, nvidia: NvidiaFacts, environ: Mappi
     if environ.get("CUDA_VISIBLE_DEVICES", None) is not None and _visible_count(environ, nvidia) == 0:
         return []  # check_visible_devices says why
     why = torch.warnings[0] if torch.warnings else "torch.cuda.is_available() is False"
-    return [Finding("torch", "error", f"torch cannot use the GPU: {why}",
+    return [EnvironmentFinding("torch", "error", f"torch cannot use the GPU: {why}",
                     "python -c 'import torch; torch.zeros(1, device=\"cuda\")'  shows the full CUDA error")]
 
 
-def check_arch(torch: TorchFacts, nvidia: NvidiaFacts) -> list[Finding]:
+def check_arch(torch: TorchFacts, nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
     """Each GPU's compute capability against the architectures torch was compiled for."""
     if torch.version is None or torch.cuda is None or not torch.arch_list:
         return []
@@ -406,7 +271,7 @@ def check_arch(torch: TorchFacts, nvidia: NvidiaFacts) -> list[Finding]:
         else:
             hint = "an older CUDA build still ships its kernels"
             fix = install_command(torch.version, cuda_builds(torch.version)[0])
-        findings.append(Finding(
+        findings.append(EnvironmentFinding(
             "arch", "error",
             f"GPU {gpu.index} {gpu.name} is sm_{gpu.arch} (compute capability {gpu.compute_capability[0]}."
             f"{gpu.compute_capability[1]}), torch {torch.version} has kernels for {' '.join(torch.arch_list)}: "
@@ -436,7 +301,7 @@ def newer_arch_fix(torch_version: str, arch: int, driver_cuda: tuple[int, int] |
     return f"upgrade the NVIDIA driver to {minimum}, then: pip install --upgrade torch --index-url {WHEEL_INDEX}/{newest}"
 
 
-def check_cudnn(torch: TorchFacts) -> list[Finding]:
+def check_cudnn(torch: TorchFacts) -> list[EnvironmentFinding]:
     """cuDNN as torch loads it (not the toolkit's copy on disk)."""
     if torch.cuda is None or torch.version is None:
         return []
@@ -444,16 +309,16 @@ def check_cudnn(torch: TorchFacts) -> list[Finding]:
         if not torch.cuda_available:
             return []
         major = (parse_cuda(torch.cuda) or (12, 0))[0]
-        return [Finding("cudnn", "warning", f"torch {torch.version} finds no cuDNN: convolutions fall back to slow kernels",
+        return [EnvironmentFinding("cudnn", "warning", f"torch {torch.version} finds no cuDNN: convolutions fall back to slow kernels",
                         f"pip install --force-reinstall nvidia-cudnn-cu{major}")]
-    return [Finding("cudnn", "info", f"cuDNN {format_cudnn_version(torch.cudnn)} (as torch loads it)")]
+    return [EnvironmentFinding("cudnn", "info", f"cuDNN {format_cudnn_version(torch.cudnn)} (as torch loads it)")]
 
 
-def check_gpu_memory(nvidia: NvidiaFacts, own_pid: int) -> list[Finding]:
+def check_gpu_memory(nvidia: NvidiaFacts, own_pid: int) -> list[EnvironmentFinding]:
     """Each GPU's memory, who else holds it, and memory held by processes NVML cannot list."""
     findings = []
     for gpu in nvidia.gpus:
-        findings.append(Finding("gpu-memory", "info",
+        findings.append(EnvironmentFinding("gpu-memory", "info",
                                 f"GPU {gpu.index} {gpu.name}: {format_size(gpu.total_memory)} total, "
                                 f"{format_size(gpu.used_memory)} used, {format_size(gpu.free_memory)} free"))
         others = [p for p in gpu.processes if p.pid != own_pid]
@@ -464,7 +329,7 @@ def check_gpu_memory(nvidia: NvidiaFacts, own_pid: int) -> list[Finding]:
         if held > FOREIGN_SHARE * gpu.total_memory:
             who = ", ".join(f"pid {p.pid} {p.name} ({_gib(p.used_memory)})" for p in others)
             pids = " ".join(str(p.pid) for p in others)
-            findings.append(Finding(
+            findings.append(EnvironmentFinding(
                 "gpu-memory", "warning",
                 f"other processes hold {format_size(held)} ({100 * held / gpu.total_memory:.0f} %) of GPU {gpu.index}: {who}",
                 f"stop them (kill {pids}; a forgotten notebook kernel is the usual one){move}",
@@ -473,7 +338,7 @@ def check_gpu_memory(nvidia: NvidiaFacts, own_pid: int) -> list[Finding]:
         if unlisted > FOREIGN_SHARE * gpu.total_memory:
             whom = ("NVML lists no process" if not gpu.processes
                     else f"NVML's processes account for only {format_size(listed)}")
-            findings.append(Finding(
+            findings.append(EnvironmentFinding(
                 "gpu-memory", "warning",
                 f"GPU {gpu.index} has {format_size(gpu.used_memory)} in use ({100 * gpu.used_memory / gpu.total_memory:.0f} %) "
                 f"but {whom}: processes in other containers or PID namespaces hold {format_size(unlisted)}",
@@ -513,7 +378,7 @@ def _visible_count(environ: Mapping[str, str], nvidia: NvidiaFacts) -> int:
     return len(resolved)
 
 
-def check_visible_devices(environ: Mapping[str, str], nvidia: NvidiaFacts) -> list[Finding]:
+def check_visible_devices(environ: Mapping[str, str], nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
     """CUDA_VISIBLE_DEVICES that hides or misnames GPUs; CUDA_DEVICE_ORDER with several GPUs."""
     findings = []
     order = environ.get("CUDA_DEVICE_ORDER")
@@ -521,22 +386,22 @@ def check_visible_devices(environ: Mapping[str, str], nvidia: NvidiaFacts) -> li
     if value is not None and nvidia.gpus:
         resolved, bad = _resolve_visible(value, nvidia)
         if not resolved:
-            findings.append(Finding("visible-devices", "warning",
+            findings.append(EnvironmentFinding("visible-devices", "warning",
                                     f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU from torch",
                                     "unset CUDA_VISIBLE_DEVICES  (or name a GPU: CUDA_VISIBLE_DEVICES=0)"))
         elif bad is not None:
             good = ",".join(_visible_entries(value)[: len(resolved)])
-            findings.append(Finding("visible-devices", "warning",
+            findings.append(EnvironmentFinding("visible-devices", "warning",
                                     f"CUDA_VISIBLE_DEVICES={value} names {bad!r}, which is not a GPU here: CUDA ignores "
                                     f"it and every entry after it", f"export CUDA_VISIBLE_DEVICES={good}"))
         else:
-            findings.append(Finding("visible-devices", "info",
+            findings.append(EnvironmentFinding("visible-devices", "info",
                                     f"CUDA_VISIBLE_DEVICES={value}: torch sees {len(resolved)} of {len(nvidia.gpus)} GPUs"))
     if order is not None and order not in ("PCI_BUS_ID", "FASTEST_FIRST"):
-        findings.append(Finding("device-order", "warning", f"CUDA_DEVICE_ORDER={order!r} is not a value CUDA knows",
+        findings.append(EnvironmentFinding("device-order", "warning", f"CUDA_DEVICE_ORDER={order!r} is not a value CUDA knows",
                                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID"))
     elif order is None and len(nvidia.gpus) > 1:
-        findings.append(Finding(
+        findings.append(EnvironmentFinding(
             "device-order", "warning",
             f"CUDA_DEVICE_ORDER is unset with {len(nvidia.gpus)} GPUs: CUDA numbers them fastest first, nvidia-smi by "
             "PCI bus, so cuda:0 (and CUDA_VISIBLE_DEVICES=0) may not be nvidia-smi's GPU 0",
@@ -545,21 +410,21 @@ def check_visible_devices(environ: Mapping[str, str], nvidia: NvidiaFacts) -> li
     return findings
 
 
-def check_allocator(environ: Mapping[str, str], torch_version: str | None, variable_shapes: bool) -> list[Finding]:
+def check_allocator(environ: Mapping[str, str], torch_version: str | None, variable_shapes: bool) -> list[EnvironmentFinding]:
     """PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF, parsed and checked key by key."""
-    findings: list[Finding] = []
+    findings: list[EnvironmentFinding] = []
     settings = {name: environ[name] for name in ALLOC_VARIABLES if environ.get(name, "").strip()}
     for name, text in settings.items():
         pairs, malformed = parse_alloc_conf(text)
         for entry in malformed:
-            findings.append(Finding("allocator", "warning", f"{name}: {entry!r} is not key:value; torch refuses to start",
+            findings.append(EnvironmentFinding("allocator", "warning", f"{name}: {entry!r} is not key:value; torch refuses to start",
                                     f"fix or remove {entry!r} in {name}"))
         for key, value in pairs:
             findings.extend(_check_alloc_pair(name, key, value))
         keys = {key: value for key, value in pairs}
         expandable = keys.get("expandable_segments", "").lower() == "true"
         if expandable and "max_split_size_mb" in keys:
-            findings.append(Finding(
+            findings.append(EnvironmentFinding(
                 "allocator", "warning",
                 f"{name} sets max_split_size_mb with expandable_segments:True: expandable segments already avoid the "
                 "fragmentation max_split_size_mb works around, and the split limit only keeps freed blocks from being reused",
@@ -568,18 +433,18 @@ def check_allocator(environ: Mapping[str, str], torch_version: str | None, varia
         if keys.get("backend") == "cudaMallocAsync":
             ignored = sorted(NATIVE_ONLY_KEYS & keys.keys())
             if ignored:
-                findings.append(Finding("allocator", "warning",
+                findings.append(EnvironmentFinding("allocator", "warning",
                                         f"{name}: backend:cudaMallocAsync ignores {', '.join(ignored)} (native allocator options)",
                                         f"remove {', '.join(ignored)} or the backend key from {name}"))
     if len(settings) == 2 and settings[ALLOC_VARIABLES[0]] != settings[ALLOC_VARIABLES[1]]:
-        findings.append(Finding(
+        findings.append(EnvironmentFinding(
             "allocator", "warning",
             "PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF differ: which one a CUDA run applies depends on the torch version",
             "keep one: unset PYTORCH_ALLOC_CONF  (PYTORCH_CUDA_ALLOC_CONF is read by every release)",
         ))
     release = version_tuple(torch_version)[:2]
     if list(settings) == ["PYTORCH_ALLOC_CONF"] and release and release < (2, 11):
-        findings.append(Finding(
+        findings.append(EnvironmentFinding(
             "allocator", "warning",
             f"only PYTORCH_ALLOC_CONF is set, and torch {torch_version} may ignore it for CUDA (releases before 2.9 do "
             "not read it; 2.9 drops expandable_segments from it, pytorch#183387)",
@@ -590,14 +455,14 @@ def check_allocator(environ: Mapping[str, str], torch_version: str | None, varia
     if variable_shapes and not expandable_on:
         name = "PYTORCH_ALLOC_CONF" if release >= (2, 11) else "PYTORCH_CUDA_ALLOC_CONF"
         value = ",".join(part for part in (_without(effective, "expandable_segments"), "expandable_segments:True") if part)
-        findings.append(Finding(
+        findings.append(EnvironmentFinding(
             "allocator", "info",
             "variable input shapes leave freed blocks of the wrong size in the cache (reserved but unusable memory); "
             "expandable segments grow and reuse one segment instead",
             f"export {name}={value}",
         ))
     if not settings:
-        findings.append(Finding("allocator", "info", "allocator settings: torch's defaults (no PYTORCH_*ALLOC_CONF set)"))
+        findings.append(EnvironmentFinding("allocator", "info", "allocator settings: torch's defaults (no PYTORCH_*ALLOC_CONF set)"))
     return findings
 
 
@@ -607,13 +472,13 @@ def _without(text: str, key: str) -> str:
     return ",".join(f"{k}:{v}" for k, v in pairs if k != key)
 
 
-def _check_alloc_pair(name: str, key: str, value: str) -> list[Finding]:
+def _check_alloc_pair(name: str, key: str, value: str) -> list[EnvironmentFinding]:
     """One key:value of an allocator setting: known key, and a value torch accepts."""
     if key not in ALLOC_CONF_KEYS:
         close = difflib.get_close_matches(key, sorted(ALLOC_CONF_KEYS), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         fix = f"replace {key} with {close[0]} in {name}" if close else f"remove {key} from {name}"
-        return [Finding("allocator", "warning", f"{name}: unknown key {key!r}{hint}; torch refuses to start with it", fix)]
+        return [EnvironmentFinding("allocator", "warning", f"{name}: unknown key {key!r}{hint}; torch refuses to start with it", fix)]
     problem = None
     if key == "expandable_segments" and value.lower() not in ("true", "false"):
         problem = "must be True or False"
@@ -632,7 +497,7 @@ def _check_alloc_pair(name: str, key: str, value: str) -> list[Finding]:
         problem = "must be native or cudaMallocAsync"
     if problem is None:
         return []
-    return [Finding("allocator", "warning", f"{name}: {key}:{value} {problem}", f"fix {key} in {name}")]
+    return [EnvironmentFinding("allocator", "warning", f"{name}: {key}:{value} {problem}", f"fix {key} in {name}")]
 
 
 def dataloader_shm_need(hints: TrainingHints) -> int | None:
@@ -642,17 +507,17 @@ def dataloader_shm_need(hints: TrainingHints) -> int | None:
     return hints.workers * hints.prefetch_factor * hints.batch_bytes
 
 
-def check_host(host: HostFacts, hints: TrainingHints) -> list[Finding]:
+def check_host(host: HostFacts, hints: TrainingHints) -> list[EnvironmentFinding]:
     """/dev/shm and host RAM against what DataLoader workers need."""
     findings = []
     need = dataloader_shm_need(hints)
     ram = f"host RAM {_gib(host.ram_total)} total, {_gib(host.ram_available)} available; /dev/shm {_gib(host.shm_total)}"
-    findings.append(Finding("host", "info", ram))
+    findings.append(EnvironmentFinding("host", "info", ram))
     suggested = max(8 * GiB, 2 * (need or 0))
     docker_fix = f"docker run --shm-size={-(-suggested // GiB)}g ...  (or --ipc=host)"
     if host.shm_total is not None:
         if need is not None and host.shm_total < need:
-            findings.append(Finding(
+            findings.append(EnvironmentFinding(
                 "shm", "warning",
                 f"/dev/shm holds {format_size(host.shm_total)}, but {hints.workers} DataLoader workers × prefetch "
                 f"{hints.prefetch_factor} × {format_size(hints.batch_bytes or 0)} batches need {format_size(need)} "
@@ -660,14 +525,14 @@ def check_host(host: HostFacts, hints: TrainingHints) -> list[Finding]:
                 f"{docker_fix}, or fewer workers: num_workers={max(0, host.shm_total // (hints.prefetch_factor * (hints.batch_bytes or 1)))}",
             ))
         elif need is None and host.shm_total < GiB:
-            findings.append(Finding(
+            findings.append(EnvironmentFinding(
                 "shm", "warning",
                 f"/dev/shm holds only {format_size(host.shm_total)} (Docker's default is 64 MiB): DataLoader workers "
                 "pass every batch through it and die with \"Bus error\"",
                 docker_fix,
             ))
     if need is not None and host.ram_available is not None and host.ram_available < need:
-        findings.append(Finding(
+        findings.append(EnvironmentFinding(
             "host", "warning",
             f"host RAM available ({format_size(host.ram_available)}) is less than the {format_size(need)} the "
             "DataLoader's prefetched batches take",
@@ -676,11 +541,11 @@ def check_host(host: HostFacts, hints: TrainingHints) -> list[Finding]:
     return findings
 
 
-def check_cudnn_benchmark(benchmark: bool | None, variable_shapes: bool) -> list[Finding]:
+def check_cudnn_benchmark(benchmark: bool | None, variable_shapes: bool) -> list[EnvironmentFinding]:
     """cudnn.benchmark autotunes per input shape: with variable shapes it re-tunes (and allocates) constantly."""
     if not (benchmark and variable_shapes):
         return []
-    return [Finding(
+    return [EnvironmentFinding(
         "cudnn-benchmark", "warning",
         "torch.backends.cudnn.benchmark is True with variable input shapes: every new shape re-runs the autotuner, "
         "whose workspace trials can run out of memory and slow each step",

@@ -21,15 +21,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from memfit._io import write_atomically
 from memfit.environment import system
-from memfit.environment.doctor import format_cudnn_version, version_tuple
+from memfit.environment.versions import format_cudnn_version, version_tuple
 from memfit.errors import MemfitError
 from memfit.environment.system import SystemProbe
 
@@ -334,18 +334,6 @@ def to_yaml(document: dict[str, Any]) -> str:
 
 
 # -- writing the files -------------------------------------------------------------------
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write via a temp file in the same directory, then rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _env_name(prefix: str) -> str:

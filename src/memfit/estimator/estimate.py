@@ -39,9 +39,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from memfit._html import HtmlRepr
 from memfit.estimator import sharding
 from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
-from memfit.search.policy import Outcome, SearchSpace, answer, run_search
+from memfit.batch_search import Outcome, SearchSpace, answer, run_search
 from memfit.errors import MemfitError
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice, device as make_device
@@ -49,7 +50,7 @@ from memfit.estimator.fake import run_fake_steps
 from memfit.memory.gpus import GPU, fixed_costs as gpu_fixed_costs, lookup
 from memfit.run.settings import Settings
 from memfit.units import format_size, parse_size
-from memfit.workload.spec import Workload, load_workload
+from memfit.workload import Workload, load_workload
 
 __all__ = ["estimate", "Estimate", "Target", "resolve_target", "largest_fitting", "apply_sharding"]
 
@@ -115,7 +116,7 @@ def _parse_fixed(value: int | str) -> int:
 
 
 @dataclass
-class Estimate:
+class Estimate(HtmlRepr):
     """A prediction for one batch size on one target. Bytes are ints."""
 
     workload: str
@@ -134,11 +135,6 @@ class Estimate:
     world_size: int = 1
     shard: str = "none"
 
-    def _repr_html_(self) -> str:
-        """A table in Jupyter."""
-        from memfit.reporting.pages import to_html
-
-        return to_html(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

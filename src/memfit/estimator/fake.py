@@ -46,7 +46,7 @@ from memfit.memory.oom import is_oom
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
-from memfit.workload.spec import Workload
+from memfit.workload import Workload
 
 __all__ = ["run_fake_steps", "FakeRun", "UnsupportedOperation", "Event"]
 

@@ -21,7 +21,7 @@ Three layers, each usable alone:
   (through the ``GradScaler`` if given) and ``zero_grad``.
 
 >>> import torch
->>> from memfit.guard.splitter import Guard
+>>> from memfit.guard import Guard
 >>> _ = torch.manual_seed(0)
 >>> model = torch.nn.Linear(4, 1)
 >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -33,6 +33,7 @@ Three layers, each usable alone:
 >>> guard.micro_batch_size, guard.accumulation, guard.events
 (None, 1, [])
 """
+
 
 from __future__ import annotations
 
@@ -49,23 +50,15 @@ import torch
 from torch import nn
 
 from memfit import distributed
-from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, split_batch
 from memfit.errors import DoesNotFitError, MemfitError
+from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, split_batch
+from memfit.guard.gradients import add_gradients, drop_gradients, optimizer_state_tensors, set_aside_gradients, tensor_bytes
+from memfit.guard.policy import SplitPolicy
 from memfit.memory.devices import Device
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.units import format_size
 
-__all__ = [
-    "Guard",
-    "Splitter",
-    "SplitPolicy",
-    "SplitResult",
-    "OOMEvent",
-    "GuardError",
-    "halve",
-    "grow",
-    "expected_optimizer_state_bytes",
-]
+__all__ = ["Splitter", "SplitResult", "OOMEvent", "GuardError"]
 
 ForwardBackward = Callable[[Any, float], "torch.Tensor | float"]
 SplitFn = Callable[[Any, int], Sequence[Any]]
@@ -74,75 +67,6 @@ WeightFn = Callable[[Any], "float | int | torch.Tensor"]
 # An int larger than any micro-batch size or rank: "no OOM here" in a minimum over ranks.
 _NONE = 2**62
 _WHERE = ("forward", "backward")
-
-
-# -- the policy: which micro-batch size to run ------------------------------------------------
-
-
-def halve(size: int) -> int:
-    """The micro-batch size after an OOM at ``size``: half, rounded up.
-
-    Why rounded up: 7 samples run as 4 + 3 in two passes, not as 3 + 3 + 1 in three.
-
-    >>> [halve(s) for s in (8, 7, 2)]
-    [4, 4, 1]
-    """
-    if size <= 1:
-        raise ValueError("a micro-batch of one sample cannot be halved")
-    return (size + 1) // 2
-
-
-def grow(limit: int, samples: int) -> int | None:
-    """The next larger micro-batch size to try: double; None once that covers the batch.
-
-    Why doubling: it undoes one halving, so the guard climbs back the way it came down.
-
-    >>> grow(4, 16), grow(8, 16)
-    (8, None)
-    """
-    doubled = limit * 2
-    return None if doubled >= samples else doubled
-
-
-@dataclass
-class SplitPolicy:
-    """The micro-batch limit and how it changes: halve on an OOM, grow after clean steps.
-
-    ``limit=None`` runs whole batches. ``grow_after=K``: after K steps without an OOM the
-    limit doubles (a size that then runs out of memory is simply halved again).
-    """
-
-    limit: int | None = None
-    grow_after: int | None = None
-    clean_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.limit is not None and self.limit < 1:
-            raise MemfitError(f"invalid micro-batch size {self.limit}: must be at least 1")
-        if self.grow_after is not None and self.grow_after < 1:
-            raise MemfitError(f"invalid grow_after={self.grow_after}: must be at least 1 step")
-
-    def size_for(self, samples: int) -> int:
-        """The micro-batch size to run a batch of ``samples`` at."""
-        return samples if self.limit is None else min(self.limit, samples)
-
-    def shrink(self, failed_size: int) -> int:
-        """Halve after an OOM at ``failed_size``; return the new limit."""
-        self.limit = halve(failed_size)
-        self.clean_steps = 0
-        return self.limit
-
-    def finish_step(self, samples: int, had_oom: bool) -> bool:
-        """Count a finished step; return True when the limit grew."""
-        if had_oom or self.limit is None or self.grow_after is None:
-            self.clean_steps = 0
-            return False
-        self.clean_steps += 1
-        if self.clean_steps < self.grow_after:
-            return False
-        self.limit = grow(self.limit, samples)
-        self.clean_steps = 0
-        return True
 
 
 # -- what the guard reports --------------------------------------------------------------------
@@ -245,42 +169,6 @@ def _where_raised(tb: TracebackType | None) -> str:
     return "forward"
 
 
-def set_aside_gradients(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None] | None:
-    """Take the gradients out (``.grad`` becomes None) and return them (None when there were none).
-
-    Why: an OOM must discard only this batch's partial gradients. With the old ones set
-    aside, "discard" is "set to None", and they are added back after a successful batch.
-    The Lightning integration uses it to keep the guard's gradient out of Lightning's
-    ``zero_grad``.
-    """
-    if all(p.grad is None for p in params):
-        return None
-    kept = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return kept
-
-
-def _drop_gradients(params: Sequence[nn.Parameter]) -> None:
-    """Forget this batch's partial gradients (their memory goes back at once)."""
-    for p in params:
-        p.grad = None
-
-
-def add_gradients(params: Sequence[nn.Parameter], gradients: Sequence[torch.Tensor | None] | None) -> None:
-    """Add gradients set aside (by :func:`set_aside_gradients`) back onto ``.grad``,
-    adopting them where ``.grad`` is None. The integrations use it too."""
-    if gradients is None:
-        return
-    for p, old in zip(params, gradients):
-        if old is None:
-            continue
-        if p.grad is None:
-            p.grad = old
-        else:
-            p.grad.add_(old)
-
-
 def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
     return model if isinstance(model, nn.parallel.DistributedDataParallel) else None
 
@@ -305,68 +193,6 @@ def _no_collectives_in_forward_backward(model: nn.Module) -> Iterator[None]:
             yield
     finally:
         ddp.broadcast_buffers = broadcast
-
-
-def _reset_scaler_step_state(scaler: torch.amp.GradScaler) -> None:
-    """Forget what the GradScaler recorded for this step (unscaled? inf found?).
-
-    Why: those records describe gradients the guard just threw away; the step that
-    follows must start as if nothing had been unscaled. ``update()`` does the same reset.
-    """
-    states = getattr(scaler, "_per_optimizer_states", None)
-    if states is not None:
-        states.clear()
-
-
-def _tensor_bytes(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> int:
-    seen: set[int] = set()
-    total = 0
-    for tensor in tensors:
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        total += tensor.numel() * tensor.element_size()
-    return total
-
-
-def _optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
-    if optimizer is None:
-        return
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                yield value
-
-
-#: tensors of optimizer state per parameter, for the common optimizers
-_STATES_PER_PARAMETER = {
-    "Adam": 2,
-    "AdamW": 2,
-    "Adamax": 2,
-    "NAdam": 2,
-    "RAdam": 2,
-    "Adagrad": 1,
-    "RMSprop": 1,
-    "Adadelta": 2,
-}
-
-
-def expected_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int | None:
-    """The optimizer state a full step needs, before the first step has made it.
-
-    Why: an OOM in the very first ``optimizer.step()`` is the optimizer allocating its
-    state; the error should say how much that state is. Known for torch's optimizers
-    (AdamW: two tensors per parameter; SGD: one with momentum, none without); None else.
-    """
-    name = type(optimizer).__name__
-    if name == "SGD":
-        per = 1 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
-    else:
-        per = _STATES_PER_PARAMETER.get(name)
-    if per is None:
-        return None
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    return per * _tensor_bytes(params)
 
 
 # -- the splitter: one batch, in micro-batches, with OOM recovery --------------------------
@@ -460,7 +286,7 @@ class Splitter:
             finished = True
         finally:
             if not finished:  # an error escapes: leave the gradients as they were before
-                _drop_gradients(params)
+                drop_gradients(params)
                 add_gradients(params, kept)
         self.last = SplitResult(
             loss=float(attempt.loss),
@@ -505,7 +331,7 @@ class Splitter:
         failed_size = verdict.failed_size
         assert failed_size is not None
         breakdown = self._breakdown(failure, params, kept) if failed_size <= 1 else None
-        _drop_gradients(params)
+        drop_gradients(params)
         self._release_memory()
         if self.on_discard is not None:
             self.on_discard()
@@ -702,9 +528,9 @@ class Splitter:
             "capacity": self._capacity(),
             "allocated": None if failure is None else failure.allocated,
             "reserved": None if failure is None else failure.reserved,
-            "parameters": _tensor_bytes(list(self.model.parameters())),
-            "gradients": _tensor_bytes(gradients),
-            "optimizer_state": _tensor_bytes(list(_optimizer_state_tensors(self.optimizer))),
+            "parameters": tensor_bytes(list(self.model.parameters())),
+            "gradients": tensor_bytes(gradients),
+            "optimizer_state": tensor_bytes(list(optimizer_state_tensors(self.optimizer))),
         }
         allocated = parts["allocated"]
         states = sum(int(parts[k] or 0) for k in ("parameters", "gradients", "optimizer_state"))
@@ -727,145 +553,4 @@ class Splitter:
         return (
             f"out of memory at micro-batch size 1 (in {failure.where}): one sample does not fit; "
             f"at the OOM {allocated}{sizes}; try bf16, activation checkpointing, a shorter input or a smaller model"
-        )
-
-
-# -- the guard: a whole training step ------------------------------------------------------
-
-
-class Guard:
-    """One optimizer step per batch that survives OOMs by splitting the batch.
-
-    ``loss_fn(model, micro_batch)`` returns the mean loss over the micro-batch (run
-    autocast inside it for mixed precision). :meth:`step` runs forward and backward over
-    the whole batch, split on OOM (see :class:`Splitter`), then ``optimizer.step()``
-    (through ``scaler`` if given) and ``zero_grad``, and returns the batch's loss.
-
-    ``split(batch, size)`` splits batches memfit cannot (see :mod:`memfit.guard.batching`);
-    ``weight(batch)`` weights micro-batches by, say, their token count instead of their
-    sample count; ``grow_after=K`` tries a larger micro-batch after K clean steps;
-    ``device`` (a :class:`memfit.Device`) is where memory is read for events and errors
-    (found by itself on CUDA); ``micro_batch_size`` starts below the whole batch.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-        *,
-        scaler: torch.amp.GradScaler | None = None,
-        split: SplitFn | None = None,
-        weight: WeightFn | None = None,
-        grow_after: int | None = None,
-        logger: logging.Logger | None = None,
-        device: Device | None = None,
-        micro_batch_size: int | None = None,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        self.scaler = scaler
-        self.splitter = Splitter(
-            model,
-            split=split,
-            weight=weight,
-            grow_after=grow_after,
-            micro_batch_size=micro_batch_size,
-            device=device,
-            logger=logger,
-            optimizer=optimizer,
-            on_discard=self._on_discard,
-        )
-
-    @property
-    def events(self) -> list[OOMEvent]:
-        """Every OOM so far, oldest first."""
-        return self.splitter.events
-
-    @property
-    def micro_batch_size(self) -> int | None:
-        """The largest micro-batch the next step runs (None: whole batches)."""
-        return self.splitter.micro_batch_size
-
-    @property
-    def accumulation(self) -> int:
-        """Micro-batches the last step ran."""
-        return self.splitter.accumulation
-
-    @property
-    def last(self) -> SplitResult | None:
-        """How the last step went (samples used, micro-batches, attempts)."""
-        return self.splitter.last
-
-    def step(self, batch: Any) -> float:
-        """One optimizer step over the whole batch; returns the batch's loss."""
-        result = self.splitter.run(batch, self._forward_backward)
-        self._optimizer_step()
-        return result.loss
-
-    def predict(self, batch: Any, fn: Callable[[Any], Any]) -> Any:
-        """``fn(batch)`` under ``torch.no_grad()``, split on OOM, outputs concatenated."""
-        return self.splitter.predict(batch, fn)
-
-    def _forward_backward(self, micro: Any, share: float) -> torch.Tensor:
-        loss = self.loss_fn(self.model, micro)
-        weighted = loss if share == 1.0 else loss * share
-        if self.scaler is not None:
-            weighted = self.scaler.scale(weighted)
-        weighted.backward()
-        return loss.detach()
-
-    def _on_discard(self) -> None:
-        if self.scaler is not None:
-            _reset_scaler_step_state(self.scaler)
-
-    def _optimizer_step(self) -> None:
-        """``optimizer.step()``; an OOM here is the model states, which splitting cannot fix.
-
-        In a process group the ranks agree on it, so no rank goes on to wait for a
-        step the others abandoned.
-        """
-        failed = False
-        try:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                self.optimizer.step()
-        except BaseException as error:  # noqa: BLE001 - every non-OOM is re-raised as is
-            if not is_oom(error):
-                raise
-            failed = True
-        failed_anywhere = distributed.any_rank(failed) if distributed.is_distributed() else failed
-        if failed_anywhere:
-            self.splitter._release_memory()
-            raise GuardError(*self._optimizer_oom_message(failed))
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _optimizer_oom_message(self, here: bool) -> tuple[str, dict[str, int | None]]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        parts: dict[str, int | None] = {
-            "capacity": self.splitter._capacity(),
-            "parameters": _tensor_bytes(list(self.model.parameters())),
-            "gradients": _tensor_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer_state": _tensor_bytes(list(_optimizer_state_tensors(self.optimizer))),
-            "optimizer_state_needed": expected_optimizer_state_bytes(self.optimizer),
-        }
-        if not here:
-            return (
-                "out of memory in optimizer.step() on another rank: splitting the batch cannot fix it; "
-                "see that rank's error",
-                parts,
-            )
-        needed = parts["optimizer_state_needed"]
-        state = format_size(needed) if needed is not None else f"{format_size(parts['optimizer_state'] or 0)} so far"
-        capacity = f" on a device of {format_size(parts['capacity'])}" if parts["capacity"] else ""
-        return (
-            "out of memory in optimizer.step(): splitting the batch cannot fix it, the model states do not fit; "
-            f"they need parameters {format_size(parts['parameters'] or 0)} + gradients "
-            f"{format_size(parts['gradients'] or 0)} + {type(self.optimizer).__name__} state {state}{capacity}; "
-            "try bf16 weights and optimizer states, sharding (FSDP, ZeroRedundancyOptimizer), "
-            "or a lighter optimizer (SGD, Adafactor, 8-bit Adam)",
-            parts,
         )

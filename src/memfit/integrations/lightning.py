@@ -11,7 +11,7 @@
   the target.
 - **guard**: the callback wraps the module's ``training_step`` (an instance attribute,
   removed at the end of fit). The wrapper runs forward *and* backward of the batch itself
-  through :class:`memfit.guard.splitter.Splitter`: on an OOM it drops the partial gradients, halves
+  through :class:`memfit.guard.Splitter`: on an OOM it drops the partial gradients, halves
   the micro-batch and runs the same batch again, each micro-batch's loss weighted by its
   share (and divided by ``accumulate_grad_batches``, as Lightning does). It returns the
   batch's loss as a leaf tensor, so Lightning's own ``backward`` adds nothing and the
@@ -49,12 +49,12 @@ from torch import nn
 
 from memfit import distributed
 from memfit.errors import MemfitError
-from memfit.guard.splitter import Splitter, add_gradients, set_aside_gradients
+from memfit.guard import Splitter, add_gradients, set_aside_gradients
 from memfit.integrations.effective_batch import split_target
 from memfit.memory.devices import CudaDevice, Device, device as make_device
 from memfit.monitor.monitor import Monitor
 from memfit.search.probe import ProbeResult, probe as run_probe
-from memfit.workload.spec import Workload
+from memfit.workload import Workload
 
 __all__ = [
     "MemfitCallback",

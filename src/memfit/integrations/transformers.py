@@ -3,7 +3,7 @@
 Trainer callbacks cannot catch exceptions, so the guard is a subclass:
 ``MemfitTrainer.training_step`` runs the Trainer's own ``training_step`` (forward,
 ``compute_loss``, ``accelerator.backward``) over the batch through
-:class:`memfit.guard.splitter.Splitter`. On an OOM the partial gradients are dropped and the same
+:class:`memfit.guard.Splitter`. On an OOM the partial gradients are dropped and the same
 batch runs again in halves; the learning-rate schedule, the global step and the
 effective batch stay as they were (the Trainer's ``auto_find_batch_size`` instead
 restarts the loop with a smaller batch).
@@ -42,7 +42,7 @@ import transformers
 from torch import nn
 
 from memfit import distributed
-from memfit.guard.splitter import OOMEvent, Splitter
+from memfit.guard import OOMEvent, Splitter
 from memfit.memory.devices import CudaDevice, Device, device as make_device
 from memfit.monitor.monitor import Monitor
 

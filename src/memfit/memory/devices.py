@@ -15,6 +15,7 @@ budget, so the whole of memfit can be exercised (and trusted) on a machine witho
 
 from __future__ import annotations
 
+import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -22,12 +23,13 @@ from typing import Any
 
 import torch
 
+from memfit.distributed import launched_by_torchrun
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.units import format_size, parse_size
 
-__all__ = ["Device", "CudaDevice", "SimDevice", "device", "DEFAULT_SIM_MEMORY", "oom_message"]
+__all__ = ["Device", "CudaDevice", "SimDevice", "device", "rank_device", "DEFAULT_SIM_MEMORY", "oom_message"]
 
 DEFAULT_SIM_MEMORY = "8GiB"
 
@@ -276,3 +278,26 @@ def device(spec: str | Device = "auto", *, memory: int | str | None = None) -> D
     except MemfitError as error:
         raise DeviceError(f"unknown device {spec!r}: {error}") from None
     return SimDevice(size, f"sim:{arg}" if arg else None)
+
+
+def rank_device(spec: str, rank: int | None = None, local_rank: int | None = None) -> str:
+    """The device spec for this rank: its own GPU for ``auto``/``cuda``, its size of a ``sim:`` list.
+
+    Per-rank sizes: ``sim:24GiB,16GiB`` gives rank 0 the first size and rank 1 the second
+    (the last size is repeated for further ranks), to rehearse a job over unequal GPUs on
+    one CPU.
+
+    >>> rank_device("sim:8GiB,4GiB", rank=1)
+    'sim:4GiB'
+    >>> rank_device("cpu", rank=3)
+    'cpu'
+    """
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    local = int(os.environ.get("LOCAL_RANK", str(rank))) if local_rank is None else local_rank
+    text = spec.strip()
+    if text.lower().startswith("sim:") and "," in text:
+        sizes = [size.strip() for size in text[4:].split(",") if size.strip()]
+        return f"sim:{sizes[min(rank, len(sizes) - 1)]}"
+    if text.lower() in ("auto", "cuda") and torch.cuda.is_available() and launched_by_torchrun():
+        return f"cuda:{local % torch.cuda.device_count()}"
+    return text

@@ -33,31 +33,11 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from memfit.cuda.context import CONTEXT_BY_FAMILY, cublas_workspace
 from memfit.errors import MemfitError
-from memfit.units import KiB, MiB
+from memfit.units import MiB
 
 __all__ = ["GPU", "GPUS", "lookup", "normalize_name", "fixed_costs", "CONTEXT_BY_FAMILY", "cublas_workspace"]
-
-#: CUDA context per architecture family (PyTorch 2.x, CUDA 12, lazy module loading).
-CONTEXT_BY_FAMILY: dict[str, int] = {
-    "volta": 300 * MiB,
-    "turing": 300 * MiB,
-    "ampere": 400 * MiB,
-    "ada": 400 * MiB,
-    "hopper": 500 * MiB,
-}
-
-
-def cublas_workspace(major: int) -> int:
-    """PyTorch's default cuBLAS workspace for a compute capability major version.
-
-    Why it depends on the major version: PyTorch picks ``:4096:8`` (32 MiB) from Hopper
-    (sm90) on and ``:4096:2:16:8`` before it.
-    """
-    if major >= 9:
-        return 4096 * KiB * 8
-    return 4096 * KiB * 2 + 16 * KiB * 8
-
 
 @dataclass(frozen=True)
 class GPU:

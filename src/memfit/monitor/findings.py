@@ -29,10 +29,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import html
+
+from memfit._html import html_table, inline_code, to_html
 from memfit.units import MiB, format_size
 
 __all__ = [
-    "Finding",
+    "MemoryFinding",
     "analyze_steps",
     "find_leak",
     "find_fragmentation",
@@ -73,7 +76,7 @@ EXPANDABLE_SEGMENTS = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
 @dataclass(frozen=True)
-class Finding:
+class MemoryFinding:
     """One problem the timeline shows. Bytes in ``evidence`` are ints."""
 
     kind: str  # "leak", "fragmentation" or "shape_peak"
@@ -100,13 +103,17 @@ class Finding:
     def __str__(self) -> str:
         return f"{self.title}: {self.summary}"
 
+    def _repr_html_(self) -> str:
+        """The finding as a block: title, summary, evidence, causes and advice."""
+        return findings_html([self])
+
 
 def analyze_steps(
     records: Sequence[Mapping[str, Any]],
     *,
     capacity: int | None = None,
     window: int = DEFAULT_WINDOW,
-) -> list[Finding]:
+) -> list[MemoryFinding]:
     """Every finding the records support, each kind at most once, in a fixed order."""
     found = [
         find_leak(records, window=window),
@@ -233,7 +240,7 @@ def growth_by_phase(
     return {phase: added[phase] / (counted[phase] * every) for phase in added}
 
 
-def find_leak(records: Sequence[Mapping[str, Any]], *, window: int = DEFAULT_WINDOW) -> Finding | None:
+def find_leak(records: Sequence[Mapping[str, Any]], *, window: int = DEFAULT_WINDOW) -> MemoryFinding | None:
     """Memory at step boundaries that keeps growing among steps of the same phase and shapes."""
     groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for record in records:
@@ -269,7 +276,7 @@ def find_leak(records: Sequence[Mapping[str, Any]], *, window: int = DEFAULT_WIN
         "shapes": shape_text,
         "groups_growing": len(stretches),
     }
-    return Finding(
+    return MemoryFinding(
         kind="leak",
         title=f"Memory leak: +{format_size(growth)} per {step_name}",
         summary=(
@@ -344,7 +351,7 @@ def successful_retries(records: Sequence[Mapping[str, Any]]) -> list[int]:
     return result
 
 
-def find_fragmentation(records: Sequence[Mapping[str, Any]], *, capacity: int | None = None) -> Finding | None:
+def find_fragmentation(records: Sequence[Mapping[str, Any]], *, capacity: int | None = None) -> MemoryFinding | None:
     """Unused reserve that is large and growing, or allocator retries that keep happening."""
     if not records:
         return None
@@ -378,7 +385,7 @@ def find_fragmentation(records: Sequence[Mapping[str, Any]], *, capacity: int | 
     if rising_retries and large and growing:
         first_step, last_step = min(first_step, retry_steps[0]), max(last_step, retry_steps[-1])
     summary = "; ".join(facts)
-    return Finding(
+    return MemoryFinding(
         kind="fragmentation",
         title=f"Fragmentation: {format_size(unused[worst])} reserved but unusable",
         summary=summary[0].upper() + summary[1:] + ".",
@@ -417,7 +424,7 @@ def _times(count: int) -> str:
     return "once" if count == 1 else f"{count} times"
 
 
-def find_shape_peak(records: Sequence[Mapping[str, Any]]) -> Finding | None:
+def find_shape_peak(records: Sequence[Mapping[str, Any]]) -> MemoryFinding | None:
     """Peaks that rose with a new largest input shape (not a leak: the worst case grew)."""
     highest_peak: int | None = None
     largest_shape = 0
@@ -447,7 +454,7 @@ def find_shape_peak(records: Sequence[Mapping[str, Any]]) -> Finding | None:
     if not events:
         return None
     first, last = events[0], events[-1]
-    return Finding(
+    return MemoryFinding(
         kind="shape_peak",
         title=f"New peak from a new largest input: {format_size(last['peak_bytes'])}",
         summary=(
@@ -466,3 +473,32 @@ def find_shape_peak(records: Sequence[Mapping[str, Any]]) -> Finding | None:
             "or cap the input size (truncate, bucket by length) so the worst case is known",
         ),
     )
+
+
+def findings_html(findings: Sequence[MemoryFinding]) -> str:
+    """Each finding as a block: title, summary, evidence table, causes and advice."""
+    if not findings:
+        return '<div class="ok">No findings: no leak, no fragmentation, no new-shape peak.</div>'
+    blocks = []
+    for finding in findings:
+        evidence = {key: value for key, value in finding.evidence.items() if key != "events"}
+        events = finding.evidence.get("events")
+        parts = [
+            f'<div class="finding {html.escape(finding.kind)}">',
+            f"<h3>{html.escape(finding.title)}</h3>",
+            f"<p>{html.escape(finding.summary)}</p>",
+            to_html(evidence),
+        ]
+        if events:
+            parts.append(html_table(events))
+        if finding.causes:
+            parts.append("<p><b>Likely causes</b></p><ul>")
+            parts.extend(f"<li>{inline_code(cause)}</li>" for cause in finding.causes)
+            parts.append("</ul>")
+        if finding.advice:
+            parts.append("<p><b>What to do</b></p><ul>")
+            parts.extend(f"<li>{inline_code(advice)}</li>" for advice in finding.advice)
+            parts.append("</ul>")
+        parts.append("</div>")
+        blocks.append("".join(parts))
+    return "".join(blocks)

@@ -30,25 +30,26 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import statistics
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
+from memfit._html import to_html
+from memfit._plot import png_data_uri
+from memfit._version import __version__
+from memfit.distributed import rank
 from memfit.errors import MemfitError
-from memfit.monitor.findings import DEFAULT_WINDOW, Finding, analyze_steps
 from memfit.memory.devices import CudaDevice, Device, device as make_device
 from memfit.memory.oom import is_oom
+from memfit.monitor.findings import DEFAULT_WINDOW, MemoryFinding, analyze_steps, findings_html
+from memfit.monitor.runfile import FORMAT_VERSION, RecordedRun, summarize
+from memfit.monitor.timeline import timeline_png
 from memfit.units import format_size
 
-__all__ = ["Monitor", "RecordedRun", "read_run", "jsonable_label", "FORMAT_VERSION"]
-
-#: version of the JSON lines format (the header's "format")
-FORMAT_VERSION = 1
+__all__ = ["Monitor", "jsonable_label", "describe_record"]
 
 
 def jsonable_label(value: Any) -> Any:
@@ -96,8 +97,6 @@ def resolve_path(path: str | os.PathLike[str] | None) -> Path | None:
         return None
     text = os.fspath(path)
     if "{rank}" in text:
-        from memfit.distributed import rank
-
         text = text.replace("{rank}", str(rank()))
     return Path(text)
 
@@ -203,7 +202,7 @@ class Monitor:
     # -- results -----------------------------------------------------------------------
 
     @property
-    def findings(self) -> list[Finding]:
+    def findings(self) -> list[MemoryFinding]:
         """Leak, fragmentation and new-shape-peak findings over the records so far."""
         return analyze_steps(self.records, capacity=self.device.capacity, window=self.window)
 
@@ -211,16 +210,18 @@ class Monitor:
         """The run in a few numbers (bytes as ints), for tables and JSON."""
         return summarize(self.header, self.records)
 
-    def write_report(self, output: str | os.PathLike[str], **results: Any) -> Any:
-        """Write the HTML report and timeline PNG (see :func:`memfit.reporting.pages.write_report`)."""
-        from memfit.reporting.pages import write_report
-
-        return write_report(RecordedRun(dict(self.header), list(self.records)), output, **results)
+    def recorded(self) -> RecordedRun:
+        """The run so far, as :func:`read_run` would read it back (for ``memfit.write_report``)."""
+        return RecordedRun(dict(self.header), list(self.records))
 
     def _repr_html_(self) -> str:
-        from memfit.reporting.pages import monitor_html
-
-        return monitor_html(self.header, self.records, self.findings)
+        """A monitor in a notebook: its summary, its findings and its timeline."""
+        findings = self.findings
+        parts = [to_html(self.summary()), findings_html(findings)]
+        if self.records:
+            png = timeline_png(self.header, self.records, findings)
+            parts.append(f'<img src="{png_data_uri(png)}" alt="memory timeline">')
+        return "<div>" + "".join(parts) + "</div>"
 
     def __repr__(self) -> str:
         return f"<memfit Monitor on {self.device.spec}: {len(self.records)} steps recorded>"
@@ -228,8 +229,6 @@ class Monitor:
     # -- internals ---------------------------------------------------------------------
 
     def _make_header(self) -> dict[str, Any]:
-        from memfit import __version__
-
         return {
             "kind": "header",
             "format": FORMAT_VERSION,
@@ -311,86 +310,6 @@ def _dump_snapshot(path: Path) -> None:
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise MemfitError(f"invalid {name} {value!r}: must be a positive integer")
-
-
-def summarize(header: Mapping[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A run in a few numbers: steps, last and highest memory, retries, OOMs."""
-    steps = [r for r in records if r.get("kind", "step") == "step"]
-    last = steps[-1] if steps else {}
-    return {
-        "device": header.get("description") or header.get("device"),
-        "capacity": header.get("capacity"),
-        "steps_recorded": len(steps),
-        "last_step": last.get("step"),
-        "allocated": last.get("allocated"),
-        "reserved": last.get("reserved"),
-        "highest_peak_allocated": max((r.get("peak_allocated", 0) for r in steps), default=None),
-        "highest_reserved": max((r.get("peak_reserved", 0) for r in steps), default=None),
-        "num_alloc_retries": last.get("num_alloc_retries", 0),
-        "num_ooms": last.get("num_ooms", 0),
-        # the median: the first step pays for warm-up (kernels, lazy imports, optimizer state)
-        "seconds_per_step": statistics.median(r.get("seconds", 0.0) for r in steps) if steps else None,
-    }
-
-
-@dataclass
-class RecordedRun:
-    """A run read back from its JSON lines: the header and the step records."""
-
-    header: dict[str, Any]
-    records: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def capacity(self) -> int | None:
-        capacity = self.header.get("capacity")
-        return int(capacity) if isinstance(capacity, int) else None
-
-    def findings(self, window: int | None = None) -> list[Finding]:
-        return analyze_steps(
-            self.records, capacity=self.capacity, window=window or int(self.header.get("window") or DEFAULT_WINDOW)
-        )
-
-    def summary(self) -> dict[str, Any]:
-        return summarize(self.header, self.records)
-
-
-def read_run(path: str | os.PathLike[str]) -> RecordedRun:
-    """Read a monitor's JSON lines file; raise MemfitError naming the first bad line.
-
-    A truncated last line (the process died while writing it) is skipped, because a run
-    that crashed is the one most worth reading.
-    """
-    source = Path(path)
-    try:
-        lines = source.read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise MemfitError(f"cannot read {source}: {error.strerror or error}") from None
-    header: dict[str, Any] | None = None
-    records: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines) and header is not None:
-                break  # the last line was cut short by a crash
-            raise MemfitError(f"{source}:{number}: not a memfit monitor record (not JSON)") from None
-        if not isinstance(item, dict):
-            raise MemfitError(f"{source}:{number}: not a memfit monitor record")
-        if header is None:
-            if item.get("kind") != "header":
-                raise MemfitError(f"{source}: not a memfit monitor run (the first line is not its header)")
-            header = item
-            continue
-        if item.get("kind") != "step" or not isinstance(item.get("step"), int) or not isinstance(
-            item.get("allocated"), int
-        ):
-            raise MemfitError(f"{source}:{number}: not a memfit monitor step record")
-        records.append(item)
-    if header is None:
-        raise MemfitError(f"{source}: empty, not a memfit monitor run")
-    return RecordedRun(header, records)
 
 
 def describe_record(record: Mapping[str, Any]) -> str:

@@ -16,17 +16,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from memfit._html import HtmlRepr
 from memfit.memory.devices import Device, device as make_device
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
-from memfit.workload.spec import Workload, load_workload
+from memfit.workload import Workload, load_workload
 
 __all__ = ["measure", "Measurement"]
 
 
 @dataclass(frozen=True)
-class Measurement:
+class Measurement(HtmlRepr):
     """One batch size's result. Bytes are ints; ``seconds_per_step`` is None on an OOM."""
 
     batch_size: int
@@ -41,11 +42,6 @@ class Measurement:
             return None
         return self.batch_size / self.seconds_per_step
 
-    def _repr_html_(self) -> str:
-        """A table in Jupyter."""
-        from memfit.reporting.pages import to_html
-
-        return to_html(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,7 +29,7 @@ from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.tracker import labelled
 from memfit.run.settings import Settings, autocast, make_scaler
-from memfit.workload.spec import Workload, move_to
+from memfit.workload import Workload, move_to
 
 __all__ = ["run_steps", "StepRun", "module_labels"]
 

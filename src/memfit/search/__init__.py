@@ -1,6 +1,6 @@
 """Searching for settings by trial: probe, plan, fit and the lock that freezes the answer.
 
-- :mod:`memfit.search.policy`: the batch-size search policy (pure, no torch);
+- :mod:`memfit.batch_search`: the batch-size search policy (pure, no torch);
 - :mod:`memfit.search.probe`: ``probe``, the largest batch that fits and the one to use;
 - :mod:`memfit.search.plan`: ``plan``, the fastest settings that reach a target batch;
 - :mod:`memfit.search.lock`: ``memfit.lock``, written, read and checked;

@@ -29,7 +29,7 @@ from memfit.search.lock import Lock, Measured, write_lock
 from memfit.memory.devices import Device, device as make_device
 from memfit.search.plan import Plan, plan
 from memfit.run.settings import Settings
-from memfit.workload.spec import Workload, load_workload
+from memfit.workload import Workload, load_workload
 
 __all__ = ["fit", "FitResult"]
 

@@ -33,13 +33,14 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
+from memfit._io import write_atomically
+from memfit._version import __version__
 from memfit.environment.envfile import Difference, Fingerprint, compare, fingerprint
 from memfit.errors import MemfitError
 from memfit.run.settings import Settings
@@ -91,8 +92,6 @@ class Lock:
         return self.settings.accumulation_steps
 
     def to_toml(self) -> str:
-        from memfit import __version__
-
         document = {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
@@ -109,18 +108,7 @@ class Lock:
 
 def write_lock(lock: Lock, path: str | os.PathLike[str] = "memfit.lock") -> Path:
     """Write the lock atomically: a reader sees the old file or the new one, never half."""
-    path = Path(path)
-    text = lock.to_toml()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(path, lock.to_toml())
 
 
 def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:

@@ -34,12 +34,13 @@ from typing import Any
 
 from torch import nn
 
+from memfit._html import HtmlRepr
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.measure import Measurement, measure
 from memfit.memory.devices import Device, device as make_device
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Settings, find_blocks
 from memfit.units import format_size
-from memfit.workload.spec import Workload, load_workload
+from memfit.workload import Workload, load_workload
 
 __all__ = [
     "plan",
@@ -189,7 +190,7 @@ def advice(
 
 
 @dataclass
-class Plan:
+class Plan(HtmlRepr):
     """The plan's result: every candidate, the Pareto front, the recommendation and why."""
 
     workload: str
@@ -213,11 +214,6 @@ class Plan:
             raise MemfitError(self.reason)
         return self.recommended.settings
 
-    def _repr_html_(self) -> str:
-        """A table in Jupyter."""
-        from memfit.reporting.pages import to_html
-
-        return to_html(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return {

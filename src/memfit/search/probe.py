@@ -2,7 +2,7 @@
 
 Each trial runs two optimizer steps at one batch size through :func:`memfit.measure`
 (worst-case shapes; the second step with the optimizer state alive), so what fits here
-fits in training. The batch sizes tried come from :mod:`memfit.search.policy`: small
+fits in training. The batch sizes tried come from :mod:`memfit.batch_search`: small
 first, then a jump along the measured slope of memory, then a proof that the next size
 does not fit. The answer is exact: the largest multiple of ``multiple_of`` that fits,
 with the next one shown not to.
@@ -33,15 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._html import HtmlRepr
 from memfit import distributed
-from memfit.search.policy import Outcome, SearchSpace, answer, next_batch_size
+from memfit.batch_search import Outcome, SearchSpace, answer, next_batch_size
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.measure import Measurement, measure
 from memfit.memory.devices import CudaDevice, Device, device as make_device
 from memfit.run.settings import Settings
 from memfit.run.state import Snapshot, preserved
 from memfit.units import format_size
-from memfit.workload.spec import Workload, load_workload
+from memfit.workload import Workload, load_workload
 
 __all__ = [
     "probe",
@@ -67,7 +68,7 @@ Progress = Callable[[int, "Measurement | None"], None]
 
 
 @dataclass(frozen=True)
-class ProbeResult:
+class ProbeResult(HtmlRepr):
     """What :func:`probe` found. Bytes are ints; ``trials`` are in the order they ran."""
 
     max_batch_size: int
@@ -93,11 +94,6 @@ class ProbeResult:
     local_max_batch_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def _repr_html_(self) -> str:
-        """A table in Jupyter."""
-        from memfit.reporting.pages import to_html
-
-        return to_html(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the fields above, trials as dicts with samples_per_second."""

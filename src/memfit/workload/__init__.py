@@ -2,5 +2,11 @@
 
 - :mod:`memfit.workload.spec`: :class:`Workload` and the helpers every step uses;
 - :mod:`memfit.workload.zoo`: the built-in workloads (``mlp``, ``gpt2``, ...);
-- :func:`load_workload` resolves a reference (zoo name, ``file.py:fn``, ``module:fn``).
+- :mod:`memfit.workload.references`: :func:`load_workload` resolves a reference (zoo name,
+  ``file.py:fn``, ``module:fn``).
 """
+
+from memfit.workload.references import load_workload
+from memfit.workload.spec import Workload, default_optimizer, move_to
+
+__all__ = ["Workload", "load_workload", "default_optimizer", "move_to"]
