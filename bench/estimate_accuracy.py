@@ -23,12 +23,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-import memfit  # noqa: E402
-from _results import write_section  # noqa: E402
-from memfit.estimator.estimate import estimate  # noqa: E402
-from memfit.units import format_size  # noqa: E402
+import memfit
+from _results import write_section
+from memfit.estimator.estimate import estimate
+from memfit.units import format_size
 
 SIM = "sim:4GiB"
 COMMAND = "python bench/estimate_accuracy.py"

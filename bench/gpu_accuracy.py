@@ -73,8 +73,11 @@ def cublas_workspace_bytes() -> int:
 
 def run(out: Path, quick: bool) -> int:
     if not torch.cuda.is_available():
-        print("bench/gpu_accuracy.py needs a CUDA GPU; none is visible here (torch "
-              f"{torch.__version__}, CUDA {torch.version.cuda}). Nothing was measured.", file=sys.stderr)
+        print(
+            "bench/gpu_accuracy.py needs a CUDA GPU; none is visible here (torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda}). Nothing was measured.",
+            file=sys.stderr,
+        )
         return 2
     gpu = memfit.device("cuda")
     name = torch.cuda.get_device_name(0)

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from memfit.environment.doctor import check_gpu_memory, diagnose  # noqa: E402
-from memfit.environment.system import LiveProbe  # noqa: E402
-from memfit.units import format_size  # noqa: E402
+from memfit.environment.doctor import check_gpu_memory, diagnose
+from memfit.environment.system import LiveProbe
+from memfit.units import format_size
 
 COMMAND = "python bench/gpu_doctor.py --out bench/results"
 
@@ -50,8 +50,13 @@ sys.stdin.read()
 
 def hold_memory(fraction: float) -> tuple[subprocess.Popen[str], dict[str, object]]:
     """A child process that holds ``fraction`` of GPU 0 until its stdin closes."""
-    child = subprocess.Popen([sys.executable, "-c", _HOLDER, str(fraction)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(fraction)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = child.stdout.readline() if child.stdout else ""
     if not line.startswith("READY "):
         child.kill()
@@ -69,8 +74,13 @@ def run_command(argv: list[str], cwd: Path | None = None) -> dict[str, object]:
         data = json.loads(done.stdout)
     except json.JSONDecodeError:
         data = None
-    return {"argv": argv, "status": done.returncode, "seconds": round(seconds, 2), "json": data,
-            "stderr": done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else []}
+    return {
+        "argv": argv,
+        "status": done.returncode,
+        "seconds": round(seconds, 2),
+        "json": data,
+        "stderr": done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else [],
+    }
 
 
 def measure(hold: float) -> dict[str, object]:
@@ -102,9 +112,13 @@ def measure(hold: float) -> dict[str, object]:
         warnings = [f.to_dict() for f in check_gpu_memory(busy, pid) if f.severity == "warning"]
         results["holder"] = {
             **held,
-            "nvml": {"name": gpu0.name, "total": gpu0.total_memory, "used": gpu0.used_memory,
-                     "capability": f"{gpu0.compute_capability[0]}.{gpu0.compute_capability[1]}",
-                     "processes": [asdict(p) for p in gpu0.processes]},
+            "nvml": {
+                "name": gpu0.name,
+                "total": gpu0.total_memory,
+                "used": gpu0.used_memory,
+                "capability": f"{gpu0.compute_capability[0]}.{gpu0.compute_capability[1]}",
+                "processes": [asdict(p) for p in gpu0.processes],
+            },
             "warnings": warnings,
             "named": any(f"pid {held['pid']} " in w["message"] for w in warnings),
         }
@@ -161,8 +175,10 @@ def main() -> int:
         return 0
     nvidia = LiveProbe().nvidia()
     if not nvidia.gpus:
-        print(f"gpu_doctor: no NVIDIA GPU visible ({nvidia.error}); nothing to measure here. "
-              "Run it on a GPU machine; `memfit doctor` itself runs anywhere.")
+        print(
+            f"gpu_doctor: no NVIDIA GPU visible ({nvidia.error}); nothing to measure here. "
+            "Run it on a GPU machine; `memfit doctor` itself runs anywhere."
+        )
         return 0
     results = measure(args.hold)
     out = Path(args.out)

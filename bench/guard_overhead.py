@@ -21,11 +21,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
-
-import memfit  # noqa: E402
-from memfit.guard import Guard  # noqa: E402
-from memfit.workload import move_to  # noqa: E402
+import memfit
+from _results import write_section
+from memfit.guard import Guard
+from memfit.workload import move_to
 
 
 def _timed(step: Callable[[], float], sync: Callable[[], None]) -> float:
@@ -36,7 +35,9 @@ def _timed(step: Callable[[], float], sync: Callable[[], None]) -> float:
     return time.perf_counter() - started
 
 
-def _loops(workload_ref: str, batch_size: int, device: torch.device) -> tuple[Callable[[], float], Callable[[], float], Guard]:
+def _loops(
+    workload_ref: str, batch_size: int, device: torch.device
+) -> tuple[Callable[[], float], Callable[[], float], Guard]:
     """A plain step and a guarded step of one model, optimizer and batch.
 
     Why one model for both: two copies sit at different addresses and can differ in
@@ -170,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     tiny = fixed_cost(args.empty_blocks, 100, device)
     fixed = tiny["fixed"]
     fixed_share = fixed / result["plain_median"] * 100
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
+    where = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} thread(s))"
+    )
     command = "python bench/guard_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = f"""## guard: overhead of a steady-state step (no OOM)
 
@@ -183,14 +188,14 @@ one model and optimizer; {args.reps} steps each, timed alternately (ABBA) after 
 
 | | median step |
 |---|---|
-| plain loop | {result['plain_median'] * 1e3:.2f} ms |
-| guard | {result['guard_median'] * 1e3:.2f} ms |
-| **guard / plain (ratio of medians)** | **{result['ratio_of_medians']:.4f}** ({overhead:+.2f} %) |
-| median of per-pair ratios (quartiles) | {result['median_paired_ratio']:.4f} ({result['paired_q1']:.4f} to {result['paired_q3']:.4f}) |
+| plain loop | {result["plain_median"] * 1e3:.2f} ms |
+| guard | {result["guard_median"] * 1e3:.2f} ms |
+| **guard / plain (ratio of medians)** | **{result["ratio_of_medians"]:.4f}** ({overhead:+.2f} %) |
+| median of per-pair ratios (quartiles) | {result["median_paired_ratio"]:.4f} ({result["paired_q1"]:.4f} to {result["paired_q3"]:.4f}) |
 
 The guard's own cost per step, which does not grow with the model, measured on empty
 steps (one weight, a scalar loss; the fastest of {args.empty_blocks} alternating blocks of 100
-steps each: plain {tiny['plain'] * 1e6:.1f} µs, guard {tiny['guard'] * 1e6:.1f} µs per step):
+steps each: plain {tiny["plain"] * 1e6:.1f} µs, guard {tiny["guard"] * 1e6:.1f} µs per step):
 **{fixed * 1e6:.1f} µs**, that is {fixed_share:.3f} % of the step above.
 
 Target: at most 1 % slower. {"Met." if overhead <= 1.0 else "Not met in this run."}

@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
-
-import memfit  # noqa: E402
-from memfit.search.plan import _checkpointing_modes, candidates, plan, trial  # noqa: E402
+import memfit
+from _results import write_section
+from memfit.search.plan import _checkpointing_modes, candidates, plan, trial
 
 CASES = [
     ("mlp:layers=4,width=256,features=256", "sim:8MiB", 512),
@@ -64,14 +63,26 @@ def main() -> None:
         chosen = result.recommended.settings
         chosen_speed = speeds.get(chosen)
         share = (chosen_speed or 0.0) / speeds[best_settings]
-        rows.append({
-            "workload": ref, "device": spec, "target": target, "fp32 fits at once": fp32.fits,
-            "candidates": len(speeds), "fit": sum(1 for v in speeds.values() if v),
-            "grid best": _describe(best_settings), "grid best samples/s": speeds[best_settings],
-            "plan chose": _describe(chosen), "plan choice in grid samples/s": chosen_speed,
-            "share of best": share, "grid steps": grid_steps, "plan steps": result.trial_steps,
-            "steps ratio": result.trial_steps / grid_steps, "grid s": grid_seconds, "plan s": plan_seconds,
-        })
+        rows.append(
+            {
+                "workload": ref,
+                "device": spec,
+                "target": target,
+                "fp32 fits at once": fp32.fits,
+                "candidates": len(speeds),
+                "fit": sum(1 for v in speeds.values() if v),
+                "grid best": _describe(best_settings),
+                "grid best samples/s": speeds[best_settings],
+                "plan chose": _describe(chosen),
+                "plan choice in grid samples/s": chosen_speed,
+                "share of best": share,
+                "grid steps": grid_steps,
+                "plan steps": result.trial_steps,
+                "steps ratio": result.trial_steps / grid_steps,
+                "grid s": grid_seconds,
+                "plan s": plan_seconds,
+            }
+        )
         print(rows[-1], flush=True)
     total = time.time() - started
     lines = [

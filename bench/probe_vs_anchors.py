@@ -44,15 +44,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
-
-import memfit  # noqa: E402
-from memfit.run.measure import measure  # noqa: E402
-from memfit.memory.oom import release_cached_memory  # noqa: E402
-from memfit.search.probe import probe  # noqa: E402
-from memfit.run.settings import Settings  # noqa: E402
-from memfit.run.steps import run_steps  # noqa: E402
-from memfit.workload import Workload  # noqa: E402
+import memfit
+from _results import write_section
+from memfit.memory.oom import release_cached_memory
+from memfit.run.measure import measure
+from memfit.run.settings import Settings
+from memfit.run.steps import run_steps
+from memfit.search.probe import probe
+from memfit.workload import Workload
 
 #: (workload, simulated GPU): budgets chosen for maxima from about 100 to a few thousand
 CASES: list[tuple[str, str]] = [
@@ -155,8 +154,14 @@ def run_lightning(workload: Workload, spec: str, mode: str) -> tuple[int, int]:
         module = Module()
         with tempfile.TemporaryDirectory() as root:
             trainer = L.Trainer(
-                accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                accelerator="cpu",
+                devices=1,
+                max_epochs=1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                default_root_dir=root,
             )
             with gpu:
                 found = Tuner(trainer).scale_batch_size(module, mode=mode)
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             "",
             "Each row runs on a `sim:` GPU (real tensors on the CPU, CUDA's caching-allocator rules, an OOM "
             "past the budget). Optimizer steps are counted as attempted (a step that runs out of memory counts). "
-            "\"found batch fits\" re-runs the returned batch on a fresh device. The true maximum comes from "
+            '"found batch fits" re-runs the returned batch on a fresh device. The true maximum comes from '
             "doubling and bisection on `memfit.measure`, verified at max (fits) and max + 1 (does not). "
             "Lightning: `Tuner.scale_batch_size` with its defaults (init 2, 3 steps per trial, "
             "binsearch margin 5 %). Accelerate: `find_executable_batch_size` around two optimizer steps. "

@@ -11,7 +11,6 @@ from memfit.workload.zoo import TINY as TINY_ZOO
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-
 @pytest.fixture
 def tiny_zoo() -> dict[str, str]:
     return dict(TINY_ZOO)

@@ -21,7 +21,15 @@ def test_round_size(n, rounded):
 
 @pytest.mark.parametrize(
     ("rounded", "segment"),
-    [(512, 2 * MiB), (MiB, 2 * MiB), (MiB + 512, 20 * MiB), (10 * MiB - 512, 20 * MiB), (10 * MiB, 10 * MiB), (11 * MiB, 12 * MiB), (21 * MiB, 22 * MiB)],
+    [
+        (512, 2 * MiB),
+        (MiB, 2 * MiB),
+        (MiB + 512, 20 * MiB),
+        (10 * MiB - 512, 20 * MiB),
+        (10 * MiB, 10 * MiB),
+        (11 * MiB, 12 * MiB),
+        (21 * MiB, 22 * MiB),
+    ],
 )
 def test_segment_size(rounded, segment):
     assert segment_size(rounded) == segment
@@ -29,8 +37,14 @@ def test_segment_size(rounded, segment):
 
 @pytest.mark.parametrize(
     ("block", "rounded", "small", "split"),
-    [(2 * MiB, 512, True, True), (1024, 512, True, True), (1024, 1024, True, False),
-     (20 * MiB, 19 * MiB, False, False), (20 * MiB, 19 * MiB - 512, False, True), (20 * MiB, 3 * MiB, False, True)],
+    [
+        (2 * MiB, 512, True, True),
+        (1024, 512, True, True),
+        (1024, 1024, True, False),
+        (20 * MiB, 19 * MiB, False, False),
+        (20 * MiB, 19 * MiB - 512, False, True),
+        (20 * MiB, 3 * MiB, False, True),
+    ],
 )
 def test_should_split(block, rounded, small, split):
     assert should_split(block, rounded, small) is split
@@ -121,7 +135,12 @@ def test_release_cached_segments_and_retry_once():
 
 @pytest.mark.parametrize(
     ("budget", "sizes"),
-    [(2 * MiB, [MiB, MiB]), (20 * MiB, [20 * MiB]), (20 * MiB, [2 * MiB, 2 * MiB, 16 * MiB]), (22 * MiB, [20 * MiB, MiB, MiB])],
+    [
+        (2 * MiB, [MiB, MiB]),
+        (20 * MiB, [20 * MiB]),
+        (20 * MiB, [2 * MiB, 2 * MiB, 16 * MiB]),
+        (22 * MiB, [20 * MiB, MiB, MiB]),
+    ],
 )
 def test_oom_point_is_exact(budget, sizes):
     a = CachingAllocatorModel(budget=budget)

@@ -118,11 +118,15 @@ def test_linear_curves_with_maxima_from_100_to_5000_take_at_most_8_trials() -> N
 
 CURVES: dict[str, Callable[[random.Random], tuple[Callable[[int], int], int]]] = {
     "quadratic": lambda r: (
-        (lambda a, s, q: lambda b: a + s * b + q * b * b)(r.randint(MiB, 2**30), r.randint(2**10, 2**20), r.randint(1, 2**9)),
+        (lambda a, s, q: lambda b: a + s * b + q * b * b)(
+            r.randint(MiB, 2**30), r.randint(2**10, 2**20), r.randint(1, 2**9)
+        ),
         r.randint(2**30, 2**33),
     ),
     "staircase": lambda r: (
-        (lambda a, g, w: lambda b: a + g * math.ceil(b / w))(r.randint(MiB, 2**30), r.randint(MiB, 20 * MiB), r.randint(1, 40)),
+        (lambda a, g, w: lambda b: a + g * math.ceil(b / w))(
+            r.randint(MiB, 2**30), r.randint(MiB, 20 * MiB), r.randint(1, 40)
+        ),
         r.randint(2**30, 2**33),
     ),
     "flat, then linear": lambda r: (

@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, slice_batch, split_batch
 from memfit.errors import MemfitError
+from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, slice_batch, split_batch
 
 
 class Pair(NamedTuple):

@@ -11,7 +11,7 @@ from memfit.memory.tracker import Labels
 OTHER = Labels()
 
 
-def L(phase: str, step: int = 0, module: str = "") -> Labels:  # noqa: N802 - reads like the dataclass
+def L(phase: str, step: int = 0, module: str = "") -> Labels:
     return Labels(phase, step, module)
 
 

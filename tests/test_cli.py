@@ -65,7 +65,9 @@ def test_console_script_end_to_end():
     """The installed entry point, as a user runs it (no traceback on a user error)."""
     done = subprocess.run(
         [sys.executable, "-m", "memfit", "measure", "gtp2", "--batch-size", "1"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith("memfit: error: unknown workload")

@@ -29,6 +29,16 @@ from memfit.environment.doctor import (
     diagnose,
     parse_alloc_conf,
 )
+from memfit.environment.system import (
+    GpuInfo,
+    GpuProcess,
+    HostFacts,
+    LiveProbe,
+    NvidiaFacts,
+    PythonFacts,
+    RecordedProbe,
+    TorchFacts,
+)
 from memfit.environment.versions import (
     arch_supported,
     base_version,
@@ -38,7 +48,6 @@ from memfit.environment.versions import (
     pick_cuda_build,
     version_tuple,
 )
-from memfit.environment.system import GpuInfo, GpuProcess, HostFacts, LiveProbe, NvidiaFacts, PythonFacts, RecordedProbe, TorchFacts
 
 GiB = 2**30
 MiB = 2**20
@@ -47,20 +56,46 @@ A100 = "NVIDIA A100-SXM4-80GB"
 ARCHS_CU124 = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
 
 
-def gpu(index: int = 0, name: str = A100, cap: tuple[int, int] = (8, 0), total: int = 80 * GiB,
-        used: int = GiB, processes: tuple[GpuProcess, ...] = ()) -> GpuInfo:
-    return GpuInfo(index, name, f"GPU-{index}f3a9c2e-1111-2222-3333-444455556666", f"00000000:{7 + index:02X}:00.0",
-                   total, used, total - used, cap, processes)
+def gpu(
+    index: int = 0,
+    name: str = A100,
+    cap: tuple[int, int] = (8, 0),
+    total: int = 80 * GiB,
+    used: int = GiB,
+    processes: tuple[GpuProcess, ...] = (),
+) -> GpuInfo:
+    return GpuInfo(
+        index,
+        name,
+        f"GPU-{index}f3a9c2e-1111-2222-3333-444455556666",
+        f"00000000:{7 + index:02X}:00.0",
+        total,
+        used,
+        total - used,
+        cap,
+        processes,
+    )
 
 
 def nvidia(*gpus: GpuInfo, cuda: tuple[int, int] = (12, 4), driver: str = "550.54.14") -> NvidiaFacts:
     return NvidiaFacts("nvml", driver, cuda, gpus)
 
 
-def cuda_torch(version: str = "2.5.1+cu124", cuda: str = "12.4", arch_list: tuple[str, ...] = ARCHS_CU124,
-               available: bool = True, cudnn: int | None = 90100) -> TorchFacts:
-    return TorchFacts(version=version, cuda=cuda, cudnn=cudnn, arch_list=arch_list,
-                      cuda_available=available, device_count=1 if available else 0)
+def cuda_torch(
+    version: str = "2.5.1+cu124",
+    cuda: str = "12.4",
+    arch_list: tuple[str, ...] = ARCHS_CU124,
+    available: bool = True,
+    cudnn: int | None = 90100,
+) -> TorchFacts:
+    return TorchFacts(
+        version=version,
+        cuda=cuda,
+        cudnn=cudnn,
+        arch_list=arch_list,
+        cuda_available=available,
+        device_count=1 if available else 0,
+    )
 
 
 def only(findings: list[EnvironmentFinding], severity: str | None = None) -> EnvironmentFinding:
@@ -73,10 +108,17 @@ def only(findings: list[EnvironmentFinding], severity: str | None = None) -> Env
 # -- pure helpers ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("2.5.1+cu124", (2, 5, 1)), ("2.13.0", (2, 13, 0)), ("550.54.14", (550, 54, 14)),
-    ("2.6.0.dev20241112", (2, 6, 0)), (None, ()), ("", ()),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2.5.1+cu124", (2, 5, 1)),
+        ("2.13.0", (2, 13, 0)),
+        ("550.54.14", (550, 54, 14)),
+        ("2.6.0.dev20241112", (2, 6, 0)),
+        (None, ()),
+        ("", ()),
+    ],
+)
 def test_version_tuple(text, expected):
     assert version_tuple(text) == expected
 
@@ -86,17 +128,27 @@ def test_cuda_tag_version(tag, expected):
     assert cuda_tag_version(tag) == expected
 
 
-@pytest.mark.parametrize("version, driver, expected", [
-    ("2.5.1", (12, 4), "cu124"), ("2.5.1", (12, 2), "cu121"), ("2.5.1", (11, 8), "cu118"),
-    ("2.5.1", (11, 4), None), ("2.7.0", (12, 8), "cu128"), ("2.7.0", (12, 6), "cu126"),
-    ("2.3.1", (13, 0), "cu121"), ("2.11.0", (12, 8), "cu128"), ("2.5.1", None, "cu124"),
-])
+@pytest.mark.parametrize(
+    "version, driver, expected",
+    [
+        ("2.5.1", (12, 4), "cu124"),
+        ("2.5.1", (12, 2), "cu121"),
+        ("2.5.1", (11, 8), "cu118"),
+        ("2.5.1", (11, 4), None),
+        ("2.7.0", (12, 8), "cu128"),
+        ("2.7.0", (12, 6), "cu126"),
+        ("2.3.1", (13, 0), "cu121"),
+        ("2.11.0", (12, 8), "cu128"),
+        ("2.5.1", None, "cu124"),
+    ],
+)
 def test_pick_cuda_build_takes_the_newest_the_driver_runs(version, driver, expected):
     assert pick_cuda_build(version, driver) == expected
 
 
-@pytest.mark.parametrize("cuda, expected", [((12, 4), "550.54.14"), ((12, 7), "570.26"), ((11, 8), "520.61.05"),
-                                            ((14, 0), None)])
+@pytest.mark.parametrize(
+    "cuda, expected", [((12, 4), "550.54.14"), ((12, 7), "570.26"), ((11, 8), "520.61.05"), ((14, 0), None)]
+)
 def test_min_driver_for(cuda, expected):
     assert min_driver_for(cuda) == expected
 
@@ -106,29 +158,41 @@ def test_format_cudnn_version(value, expected):
     assert format_cudnn_version(value) == expected
 
 
-@pytest.mark.parametrize("capability, arch_list, expected", [
-    ((8, 6), ("sm_80",), True),            # same major, newer minor: the sm_80 cubin runs
-    ((8, 0), ("sm_86",), False),           # older minor cannot run sm_86 code
-    ((9, 0), ("sm_80",), False),           # another major needs its own cubin or PTX
-    ((9, 0), ("sm_80", "compute_80"), True),  # PTX is compiled at load time
-    ((9, 0), ("sm_90a",), True),
-    ((10, 0), ("sm_90a",), False),         # arch-specific code runs only on 9.0
-    ((12, 0), ARCHS_CU124, False),
-    ((6, 1), ("sm_75", "sm_80", "sm_90", "sm_100", "sm_120"), False),
-])
+@pytest.mark.parametrize(
+    "capability, arch_list, expected",
+    [
+        ((8, 6), ("sm_80",), True),  # same major, newer minor: the sm_80 cubin runs
+        ((8, 0), ("sm_86",), False),  # older minor cannot run sm_86 code
+        ((9, 0), ("sm_80",), False),  # another major needs its own cubin or PTX
+        ((9, 0), ("sm_80", "compute_80"), True),  # PTX is compiled at load time
+        ((9, 0), ("sm_90a",), True),
+        ((10, 0), ("sm_90a",), False),  # arch-specific code runs only on 9.0
+        ((12, 0), ARCHS_CU124, False),
+        ((6, 1), ("sm_75", "sm_80", "sm_90", "sm_100", "sm_120"), False),
+    ],
+)
 def test_arch_supported(capability, arch_list, expected):
     assert arch_supported(capability, arch_list) is expected
 
 
-@pytest.mark.parametrize("text, pairs, malformed", [
-    ("expandable_segments:True", [("expandable_segments", "True")], []),
-    (" max_split_size_mb:128 , garbage_collection_threshold:0.6",
-     [("max_split_size_mb", "128"), ("garbage_collection_threshold", "0.6")], []),
-    ("roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:False",
-     [("roundup_power2_divisions", "[256:1,512:2,>:8]"), ("expandable_segments", "False")], []),
-    ("expandable_segments,backend:", [], ["expandable_segments", "backend:"]),
-    ("", [], []),
-])
+@pytest.mark.parametrize(
+    "text, pairs, malformed",
+    [
+        ("expandable_segments:True", [("expandable_segments", "True")], []),
+        (
+            " max_split_size_mb:128 , garbage_collection_threshold:0.6",
+            [("max_split_size_mb", "128"), ("garbage_collection_threshold", "0.6")],
+            [],
+        ),
+        (
+            "roundup_power2_divisions:[256:1,512:2,>:8],expandable_segments:False",
+            [("roundup_power2_divisions", "[256:1,512:2,>:8]"), ("expandable_segments", "False")],
+            [],
+        ),
+        ("expandable_segments,backend:", [], ["expandable_segments", "backend:"]),
+        ("", [], []),
+    ],
+)
 def test_parse_alloc_conf(text, pairs, malformed):
     assert parse_alloc_conf(text) == (pairs, malformed)
 
@@ -140,12 +204,15 @@ def test_base_version():
 # -- torch's build -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version, driver_cuda, tag", [
-    ("2.5.1+cpu", (12, 4), "cu124"),
-    ("2.5.1+cpu", (12, 2), "cu121"),
-    ("2.7.0+cpu", (12, 8), "cu128"),
-    ("2.3.0", (11, 8), "cu118"),  # PyPI's CPU wheel on macOS/Windows has no +cpu tag
-])
+@pytest.mark.parametrize(
+    "version, driver_cuda, tag",
+    [
+        ("2.5.1+cpu", (12, 4), "cu124"),
+        ("2.5.1+cpu", (12, 2), "cu121"),
+        ("2.7.0+cpu", (12, 8), "cu128"),
+        ("2.3.0", (11, 8), "cu118"),  # PyPI's CPU wheel on macOS/Windows has no +cpu tag
+    ],
+)
 def test_cpu_wheel_with_a_gpu_is_an_error_with_the_matching_cuda_build(version, driver_cuda, tag):
     finding = only(check_torch_build(TorchFacts(version=version), nvidia(gpu(), cuda=driver_cuda)))
     assert finding.severity == "error"
@@ -156,8 +223,10 @@ def test_cpu_wheel_with_a_gpu_is_an_error_with_the_matching_cuda_build(version, 
 def test_cpu_wheel_with_a_driver_too_old_for_any_build_says_upgrade_the_driver():
     finding = only(check_torch_build(TorchFacts(version="2.5.1+cpu"), nvidia(gpu(), cuda=(11, 4), driver="470.82.01")))
     assert finding.severity == "error"
-    assert finding.fix == ("upgrade the NVIDIA driver (it runs CUDA up to 11.4), then: "
-                           f"pip install --force-reinstall torch==2.5.1 --index-url {INDEX}/cu124")
+    assert finding.fix == (
+        "upgrade the NVIDIA driver (it runs CUDA up to 11.4), then: "
+        f"pip install --force-reinstall torch==2.5.1 --index-url {INDEX}/cu124"
+    )
 
 
 def test_cpu_wheel_without_a_gpu_is_information_not_a_broken_install():
@@ -195,7 +264,9 @@ def test_cuda_wheel_with_gpus_reports_what_torch_sees():
 
 
 def test_driver_too_old_for_torch_cuda_is_an_error():
-    finding = only(check_cuda_driver(cuda_torch("2.3.1+cu121", "12.1"), nvidia(gpu(), cuda=(11, 4), driver="470.82.01")))
+    finding = only(
+        check_cuda_driver(cuda_torch("2.3.1+cu121", "12.1"), nvidia(gpu(), cuda=(11, 4), driver="470.82.01"))
+    )
     assert finding.severity == "error"
     assert "runs CUDA only up to 11.4" in finding.message and "470.82.01" in finding.message
     assert finding.fix == "upgrade the NVIDIA driver to 530.30.02 or newer"
@@ -204,8 +275,10 @@ def test_driver_too_old_for_torch_cuda_is_an_error():
 def test_driver_too_old_with_an_older_build_available_offers_both_fixes():
     finding = only(check_cuda_driver(cuda_torch(), nvidia(gpu(), cuda=(11, 8), driver="520.61.05")))
     assert finding.severity == "error"
-    assert finding.fix == (f"pip install --force-reinstall torch==2.5.1 --index-url {INDEX}/cu118  "
-                           "(or upgrade the NVIDIA driver to 550.54.14 or newer)")
+    assert finding.fix == (
+        f"pip install --force-reinstall torch==2.5.1 --index-url {INDEX}/cu118  "
+        "(or upgrade the NVIDIA driver to 550.54.14 or newer)"
+    )
 
 
 def test_newer_minor_cuda_than_the_driver_is_a_warning():
@@ -231,8 +304,13 @@ def test_no_nvml_library_is_not_a_driver_error(error):
 
 
 def test_cuda_build_that_cannot_use_a_visible_gpu_is_an_error():
-    facts = TorchFacts(version="2.5.1+cu124", cuda="12.4", arch_list=ARCHS_CU124, cuda_available=False,
-                       warnings=("CUDA initialization: Unexpected error from cudaGetDeviceCount()",))
+    facts = TorchFacts(
+        version="2.5.1+cu124",
+        cuda="12.4",
+        arch_list=ARCHS_CU124,
+        cuda_available=False,
+        warnings=("CUDA initialization: Unexpected error from cudaGetDeviceCount()",),
+    )
     finding = only(check_torch_sees_gpus(facts, nvidia(gpu()), {}))
     assert finding.severity == "error" and "cudaGetDeviceCount" in finding.message
     # an old driver or CUDA_VISIBLE_DEVICES="" explains it: their own checks speak
@@ -248,10 +326,15 @@ def test_gpu_newer_than_the_wheel_is_an_error_with_a_build_that_has_its_kernels(
     finding = only(check_arch(cuda_torch(), nvidia(rtx5090, cuda=(12, 8), driver="570.124.04")))
     assert finding.severity == "error"
     assert "sm_120" in finding.message and "no kernel image" in finding.message
-    assert finding.fix == (f'pip install --force-reinstall "torch==2.10.*" --index-url {INDEX}/cu128  '
-                           "(torch 2.5.1 has no build for sm_120)")
+    assert finding.fix == (
+        f'pip install --force-reinstall "torch==2.10.*" --index-url {INDEX}/cu128  '
+        "(torch 2.5.1 has no build for sm_120)"
+    )
     old_driver = only(check_arch(cuda_torch(), nvidia(rtx5090, cuda=(12, 4))))
-    assert old_driver.fix == f"upgrade the NVIDIA driver to 570.26, then: pip install --upgrade torch --index-url {INDEX}/cu132"
+    assert (
+        old_driver.fix
+        == f"upgrade the NVIDIA driver to 570.26, then: pip install --upgrade torch --index-url {INDEX}/cu132"
+    )
 
 
 def test_gpu_newer_than_the_wheel_with_a_build_of_the_same_release():
@@ -290,8 +373,10 @@ def test_foreign_process_holding_70_percent_of_the_card_is_a_warning():
     findings = check_gpu_memory(nvidia(busy, spare), own_pid=999)
     finding = only(findings, "warning")
     assert finding.message == ("other processes hold 56.00 GiB (70 %) of GPU 0: pid 4242 /usr/bin/python3 (56.00 GiB)")
-    assert finding.fix == ("stop them (kill 4242; a forgotten notebook kernel is the usual one), "
-                           f"or use another GPU: CUDA_VISIBLE_DEVICES={spare.uuid}")
+    assert finding.fix == (
+        "stop them (kill 4242; a forgotten notebook kernel is the usual one), "
+        f"or use another GPU: CUDA_VISIBLE_DEVICES={spare.uuid}"
+    )
     info = [f for f in findings if f.severity == "info"]
     assert info[0].message == f"GPU 0 {A100}: 80.00 GiB total, 57.00 GiB used, 23.00 GiB free"
 
@@ -313,8 +398,10 @@ def test_process_with_unknown_memory_is_listed_with_a_question_mark():
 def test_used_memory_with_no_process_listed_is_a_warning():
     findings = check_gpu_memory(nvidia(gpu(used=30 * GiB)), own_pid=1)
     finding = only(findings, "warning")
-    assert finding.message == ("GPU 0 has 30.00 GiB in use (38 %) but NVML lists no process: processes in other "
-                               "containers or PID namespaces hold 30.00 GiB")
+    assert finding.message == (
+        "GPU 0 has 30.00 GiB in use (38 %) but NVML lists no process: processes in other "
+        "containers or PID namespaces hold 30.00 GiB"
+    )
     assert finding.fix == "run nvidia-smi on the host (outside the container) to find them"
 
 
@@ -334,15 +421,22 @@ TWO = nvidia(gpu(0), gpu(1, "NVIDIA RTX A6000", (8, 6), 48 * GiB))
 ORDERED = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
-@pytest.mark.parametrize("value, severity, text, fix", [
-    ("", "warning", "CUDA_VISIBLE_DEVICES='' hides every GPU from torch",
-     "unset CUDA_VISIBLE_DEVICES  (or name a GPU: CUDA_VISIBLE_DEVICES=0)"),
-    ("-1", "warning", "hides every GPU", "unset CUDA_VISIBLE_DEVICES  (or name a GPU: CUDA_VISIBLE_DEVICES=0)"),
-    ("0,4,1", "warning", "names '4', which is not a GPU here", "export CUDA_VISIBLE_DEVICES=0"),
-    ("1", "info", "CUDA_VISIBLE_DEVICES=1: torch sees 1 of 2 GPUs", None),
-    ("GPU-1f3a9c2e", "info", "torch sees 1 of 2 GPUs", None),
-    ("GPU-0f3a9c2e,1", "info", "torch sees 2 of 2 GPUs", None),
-])
+@pytest.mark.parametrize(
+    "value, severity, text, fix",
+    [
+        (
+            "",
+            "warning",
+            "CUDA_VISIBLE_DEVICES='' hides every GPU from torch",
+            "unset CUDA_VISIBLE_DEVICES  (or name a GPU: CUDA_VISIBLE_DEVICES=0)",
+        ),
+        ("-1", "warning", "hides every GPU", "unset CUDA_VISIBLE_DEVICES  (or name a GPU: CUDA_VISIBLE_DEVICES=0)"),
+        ("0,4,1", "warning", "names '4', which is not a GPU here", "export CUDA_VISIBLE_DEVICES=0"),
+        ("1", "info", "CUDA_VISIBLE_DEVICES=1: torch sees 1 of 2 GPUs", None),
+        ("GPU-1f3a9c2e", "info", "torch sees 1 of 2 GPUs", None),
+        ("GPU-0f3a9c2e,1", "info", "torch sees 2 of 2 GPUs", None),
+    ],
+)
 def test_cuda_visible_devices(value, severity, text, fix):
     finding = only(check_visible_devices({"CUDA_VISIBLE_DEVICES": value, **ORDERED}, TWO))
     assert finding.severity == severity and text in finding.message and finding.fix == fix
@@ -369,29 +463,52 @@ def test_unknown_device_order_is_a_warning():
 CUDA_CONF, ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
 
 
-@pytest.mark.parametrize("environ, message, fix", [
-    ({CUDA_CONF: "expandable_segment:True"},
-     "PYTORCH_CUDA_ALLOC_CONF: unknown key 'expandable_segment' (did you mean expandable_segments?)",
-     "replace expandable_segment with expandable_segments in PYTORCH_CUDA_ALLOC_CONF"),
-    ({CUDA_CONF: "zzz:1"}, "PYTORCH_CUDA_ALLOC_CONF: unknown key 'zzz'", "remove zzz from PYTORCH_CUDA_ALLOC_CONF"),
-    ({CUDA_CONF: "max_split_size_mb:128,expandable_segments:True"},
-     "PYTORCH_CUDA_ALLOC_CONF sets max_split_size_mb with expandable_segments:True",
-     "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
-    ({CUDA_CONF: "expandable_segments"}, "'expandable_segments' is not key:value",
-     "fix or remove 'expandable_segments' in PYTORCH_CUDA_ALLOC_CONF"),
-    ({CUDA_CONF: "expandable_segments:yes"}, "expandable_segments:yes must be True or False",
-     "fix expandable_segments in PYTORCH_CUDA_ALLOC_CONF"),
-    ({CUDA_CONF: "max_split_size_mb:16"}, "max_split_size_mb:16 must be more than 20 (MiB)",
-     "fix max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF"),
-    ({CUDA_CONF: "garbage_collection_threshold:1.5"}, "garbage_collection_threshold:1.5 must be a fraction",
-     "fix garbage_collection_threshold in PYTORCH_CUDA_ALLOC_CONF"),
-    ({CUDA_CONF: "backend:cudaMallocAsync,expandable_segments:True"},
-     "backend:cudaMallocAsync ignores expandable_segments",
-     "remove expandable_segments or the backend key from PYTORCH_CUDA_ALLOC_CONF"),
-    ({CUDA_CONF: "expandable_segments:True", ALLOC_CONF: "expandable_segments:False"},
-     "PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF differ",
-     "keep one: unset PYTORCH_ALLOC_CONF  (PYTORCH_CUDA_ALLOC_CONF is read by every release)"),
-])
+@pytest.mark.parametrize(
+    "environ, message, fix",
+    [
+        (
+            {CUDA_CONF: "expandable_segment:True"},
+            "PYTORCH_CUDA_ALLOC_CONF: unknown key 'expandable_segment' (did you mean expandable_segments?)",
+            "replace expandable_segment with expandable_segments in PYTORCH_CUDA_ALLOC_CONF",
+        ),
+        ({CUDA_CONF: "zzz:1"}, "PYTORCH_CUDA_ALLOC_CONF: unknown key 'zzz'", "remove zzz from PYTORCH_CUDA_ALLOC_CONF"),
+        (
+            {CUDA_CONF: "max_split_size_mb:128,expandable_segments:True"},
+            "PYTORCH_CUDA_ALLOC_CONF sets max_split_size_mb with expandable_segments:True",
+            "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        ),
+        (
+            {CUDA_CONF: "expandable_segments"},
+            "'expandable_segments' is not key:value",
+            "fix or remove 'expandable_segments' in PYTORCH_CUDA_ALLOC_CONF",
+        ),
+        (
+            {CUDA_CONF: "expandable_segments:yes"},
+            "expandable_segments:yes must be True or False",
+            "fix expandable_segments in PYTORCH_CUDA_ALLOC_CONF",
+        ),
+        (
+            {CUDA_CONF: "max_split_size_mb:16"},
+            "max_split_size_mb:16 must be more than 20 (MiB)",
+            "fix max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF",
+        ),
+        (
+            {CUDA_CONF: "garbage_collection_threshold:1.5"},
+            "garbage_collection_threshold:1.5 must be a fraction",
+            "fix garbage_collection_threshold in PYTORCH_CUDA_ALLOC_CONF",
+        ),
+        (
+            {CUDA_CONF: "backend:cudaMallocAsync,expandable_segments:True"},
+            "backend:cudaMallocAsync ignores expandable_segments",
+            "remove expandable_segments or the backend key from PYTORCH_CUDA_ALLOC_CONF",
+        ),
+        (
+            {CUDA_CONF: "expandable_segments:True", ALLOC_CONF: "expandable_segments:False"},
+            "PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF differ",
+            "keep one: unset PYTORCH_ALLOC_CONF  (PYTORCH_CUDA_ALLOC_CONF is read by every release)",
+        ),
+    ],
+)
 def test_bad_allocator_settings_are_warned(environ, message, fix):
     finding = only(check_allocator(environ, "2.13.0+cu130", variable_shapes=False))
     assert finding.severity == "warning" and message in finding.message and finding.fix == fix
@@ -408,20 +525,29 @@ def test_only_the_new_variable_is_warned_on_releases_that_may_ignore_it(version,
         assert findings == []
 
 
-@pytest.mark.parametrize("environ, version, fix", [
-    ({}, "2.13.0+cu130", "export PYTORCH_ALLOC_CONF=expandable_segments:True"),
-    ({}, "2.5.1+cu124", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
-    ({CUDA_CONF: "garbage_collection_threshold:0.6,expandable_segments:False"}, "2.5.1",
-     "export PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,expandable_segments:True"),
-])
+@pytest.mark.parametrize(
+    "environ, version, fix",
+    [
+        ({}, "2.13.0+cu130", "export PYTORCH_ALLOC_CONF=expandable_segments:True"),
+        ({}, "2.5.1+cu124", "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"),
+        (
+            {CUDA_CONF: "garbage_collection_threshold:0.6,expandable_segments:False"},
+            "2.5.1",
+            "export PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6,expandable_segments:True",
+        ),
+    ],
+)
 def test_expandable_segments_suggested_for_variable_shapes(environ, version, fix):
-    finding = [f for f in check_allocator(environ, version, variable_shapes=True) if "variable input shapes" in f.message]
+    finding = [
+        f for f in check_allocator(environ, version, variable_shapes=True) if "variable input shapes" in f.message
+    ]
     assert len(finding) == 1 and finding[0].severity == "info" and finding[0].fix == fix
 
 
 def test_good_allocator_settings_give_no_warning():
-    findings = check_allocator({CUDA_CONF: "expandable_segments:True,roundup_power2_divisions:[256:1,>:4]"},
-                               "2.5.1", variable_shapes=True)
+    findings = check_allocator(
+        {CUDA_CONF: "expandable_segments:True,roundup_power2_divisions:[256:1,>:4]"}, "2.5.1", variable_shapes=True
+    )
     assert findings == []
     assert only(check_allocator({}, "2.5.1", variable_shapes=False)).severity == "info"
 
@@ -458,9 +584,15 @@ def test_enough_shm_and_ram_is_information():
     assert [f.severity for f in check_host(host(None), TrainingHints())] == ["info"]
 
 
-@pytest.mark.parametrize("benchmark, variable, warned", [
-    (True, True, True), (True, False, False), (False, True, False), (None, True, False),
-])
+@pytest.mark.parametrize(
+    "benchmark, variable, warned",
+    [
+        (True, True, True),
+        (True, False, False),
+        (False, True, False),
+        (None, True, False),
+    ],
+)
 def test_cudnn_benchmark_with_variable_shapes(benchmark, variable, warned):
     findings = check_cudnn_benchmark(benchmark, variable)
     assert len(findings) == int(warned)
@@ -484,7 +616,9 @@ def python(prefix: str, base: str, conda_prefix: str | None = None, conda_env: s
 
 
 def test_python_environment_manager(tmp_path):
-    conda = only(check_python(python("/opt/conda/envs/train", "/opt/conda/envs/train", "/opt/conda/envs/train", "train")))
+    conda = only(
+        check_python(python("/opt/conda/envs/train", "/opt/conda/envs/train", "/opt/conda/envs/train", "train"))
+    )
     assert conda.severity == "info" and conda.message == "Python 3.11.7 in conda env 'train' (/opt/conda/envs/train)"
     venv = only(check_python(python("/work/.venv", "/usr")))
     assert venv.severity == "info" and venv.message == "Python 3.11.7 in virtual env /work/.venv"
@@ -492,8 +626,9 @@ def test_python_environment_manager(tmp_path):
     assert python(str(tmp_path), str(tmp_path)).manager == "conda"
     system_python = only(check_python(python("/usr", "/usr")))
     assert system_python.severity == "warning" and "system interpreter" in system_python.message
-    assert system_python.fix == ("python3.11 -m venv .venv && . .venv/bin/activate  "
-                                 "(or: conda create -n train python=3.11)")
+    assert system_python.fix == (
+        "python3.11 -m venv .venv && . .venv/bin/activate  (or: conda create -n train python=3.11)"
+    )
 
 
 # -- the whole diagnosis -----------------------------------------------------------------
@@ -510,7 +645,11 @@ def test_diagnose_recorded_gpu_machine_with_a_cpu_wheel():
     diagnosis = diagnose(probe, TrainingHints())
     assert diagnosis.exit_status == 1
     assert [f.check for f in diagnosis.findings if f.severity == "error"] == ["torch"]
-    assert {f.check for f in diagnosis.findings if f.severity == "warning"} == {"gpu-memory", "device-order", "allocator"}
+    assert {f.check for f in diagnosis.findings if f.severity == "warning"} == {
+        "gpu-memory",
+        "device-order",
+        "allocator",
+    }
     data = json.loads(json.dumps(diagnosis.to_dict()))
     assert data["errors"] == 1 and data["warnings"] == 3 and data["exit_status"] == 1
     assert data["facts"]["nvidia"]["gpus"][0]["processes"][0]["pid"] == 4242

@@ -14,10 +14,20 @@ from memfit.environment import system
 from memfit.environment.system import GpuInfo, GpuProcess, LiveProbe, NvidiaFacts, RecordedProbe, TorchFacts
 
 GiB = 2**30
-A100 = GpuInfo(0, "NVIDIA A100-SXM4-80GB", "GPU-1", "00000000:07:00.0", 80 * GiB, 57 * GiB, 23 * GiB, (8, 0),
-               (GpuProcess(4242, "python", 56 * GiB),))
-CPU_WHEEL_ON_A100 = RecordedProbe(nvidia=NvidiaFacts("nvml", "550.54.14", (12, 4), (A100,)),
-                                  torch=TorchFacts(version="2.5.1+cpu"), pid=1)
+A100 = GpuInfo(
+    0,
+    "NVIDIA A100-SXM4-80GB",
+    "GPU-1",
+    "00000000:07:00.0",
+    80 * GiB,
+    57 * GiB,
+    23 * GiB,
+    (8, 0),
+    (GpuProcess(4242, "python", 56 * GiB),),
+)
+CPU_WHEEL_ON_A100 = RecordedProbe(
+    nvidia=NvidiaFacts("nvml", "550.54.14", (12, 4), (A100,)), torch=TorchFacts(version="2.5.1+cpu"), pid=1
+)
 #: one live probe for the in-process runs: torch's facts are read (in a child) once
 LIVE = LiveProbe()
 NVML_HERE = LIVE.nvidia().source is not None
@@ -26,8 +36,10 @@ NVML_HERE = LIVE.nvidia().source is not None
 @pytest.fixture
 def recorded(monkeypatch):
     """Make the commands ask ``probe`` (recorded answers, or the shared live probe) instead of a new LiveProbe."""
+
     def use(probe: system.SystemProbe) -> None:
         monkeypatch.setattr(system, "current_probe", lambda: probe)
+
     return use
 
 
@@ -65,16 +77,22 @@ def test_doctor_exits_1_on_a_cpu_wheel_with_a_gpu(run_cli, recorded):
 
 def test_doctor_json_lists_every_finding_with_its_fix(run_cli, recorded):
     recorded(CPU_WHEEL_ON_A100)
-    status, out, _ = run_cli("doctor", "--json", "--variable-shapes", "--cudnn-benchmark",
-                             "--workers", "8", "--batch-bytes", "1GiB")
+    status, out, _ = run_cli(
+        "doctor", "--json", "--variable-shapes", "--cudnn-benchmark", "--workers", "8", "--batch-bytes", "1GiB"
+    )
     data = json.loads(out)
     assert status == 1 and data["exit_status"] == 1
     by_check = {(f["check"], f["severity"]): f for f in data["findings"] if f["fix"]}
     assert by_check[("torch", "error")]["fix"].endswith("/whl/cu124")
     assert by_check[("cudnn-benchmark", "warning")]["fix"].startswith("torch.backends.cudnn.benchmark = False")
     assert by_check[("allocator", "info")]["fix"] == "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-    assert data["facts"]["hints"] == {"variable_shapes": True, "cudnn_benchmark": True, "workers": 8,
-                                      "batch_bytes": GiB, "prefetch_factor": 2}
+    assert data["facts"]["hints"] == {
+        "variable_shapes": True,
+        "cudnn_benchmark": True,
+        "workers": 8,
+        "batch_bytes": GiB,
+        "prefetch_factor": 2,
+    }
 
 
 def test_doctor_bad_size_is_a_one_line_user_error(run_cli, recorded):
@@ -87,7 +105,11 @@ def test_env_export_then_check_here_and_after_a_change(run_cli, recorded, tmp_pa
     recorded(LIVE)
     status, out, _ = run_cli("env", "export", "-o", str(tmp_path), "--json")
     assert status == 0
-    assert [Path(p).name for p in json.loads(out)["paths"]] == ["environment.yml", "requirements.lock.txt", "environment.json"]
+    assert [Path(p).name for p in json.loads(out)["paths"]] == [
+        "environment.yml",
+        "requirements.lock.txt",
+        "environment.json",
+    ]
     fingerprint = tmp_path / "environment.json"
     status, out, _ = run_cli("env", "check", str(fingerprint))
     assert status == 0 and out.strip() == f"no difference from {fingerprint}"
@@ -97,9 +119,15 @@ def test_env_export_then_check_here_and_after_a_change(run_cli, recorded, tmp_pa
     fingerprint.write_text(json.dumps(data))
     status, out, _ = run_cli("env", "check", str(fingerprint), "--json")
     assert status == 1
-    assert json.loads(out)["differences"] == [{"field": "torch", "old": "2.4.0+cu121", "new": torch.__version__,
-                                               "matters": True,
-                                               "note": "another build runs other kernels and allocates differently"}]
+    assert json.loads(out)["differences"] == [
+        {
+            "field": "torch",
+            "old": "2.4.0+cu121",
+            "new": torch.__version__,
+            "matters": True,
+            "note": "another build runs other kernels and allocates differently",
+        }
+    ]
 
 
 def test_env_check_reports_another_gpu_model(run_cli, recorded, tmp_path):
@@ -112,13 +140,20 @@ def test_env_check_reports_another_gpu_model(run_cli, recorded, tmp_path):
     differences = json.loads(out)["differences"]
     assert status == 1
     assert [(d["field"], d["matters"]) for d in differences] == [
-        ("driver", False), ("cuda_driver", False), ("gpus[0].name", True), ("gpus[0].capability", True)]
+        ("driver", False),
+        ("cuda_driver", False),
+        ("gpus[0].name", True),
+        ("gpus[0].capability", True),
+    ]
 
 
-@pytest.mark.parametrize("content, message", [
-    ("{\"schema\": ", "is not valid JSON (line 1, column 12)"),
-    ('{"name": "train", "channels": ["conda-forge"]}', "is not a memfit environment fingerprint"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"schema": ', "is not valid JSON (line 1, column 12)"),
+        ('{"name": "train", "channels": ["conda-forge"]}', "is not a memfit environment fingerprint"),
+    ],
+)
 def test_env_check_corrupt_or_foreign_file_is_one_line_and_exit_2(run_cli, tmp_path, content, message):
     path = tmp_path / "environment.json"
     path.write_text(content)

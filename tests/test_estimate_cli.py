@@ -27,14 +27,30 @@ def test_two_targets_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
 def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["estimate", TINY, "--batch-size", "4", "--device", "sim:64MiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    for key in ("batch_size", "peak_allocated", "peak_reserved", "total", "breakdown", "fits", "max_batch_size",
-                "memory", "top_modules"):
+    for key in (
+        "batch_size",
+        "peak_allocated",
+        "peak_reserved",
+        "total",
+        "breakdown",
+        "fits",
+        "max_batch_size",
+        "memory",
+        "top_modules",
+    ):
         assert key in data
     assert data["batch_size"] == 4 and data["fits"] is True and data["memory"] == 64 * 2**20
     assert data["total"] == data["peak_reserved"]
     assert data["max_batch_size"] >= 4
-    assert set(data["breakdown"]) == {"parameters", "gradients", "optimizer state", "activations", "temporaries",
-                                      "allocator overhead", "fixed costs"}
+    assert set(data["breakdown"]) == {
+        "parameters",
+        "gradients",
+        "optimizer state",
+        "activations",
+        "temporaries",
+        "allocator overhead",
+        "fixed costs",
+    }
 
 
 def test_without_batch_size_reports_the_largest_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
@@ -44,8 +60,10 @@ def test_without_batch_size_reports_the_largest_that_fits(capsys: pytest.Capture
 
 
 def test_table_shows_the_breakdown_and_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["estimate", TINY, "--batch-size", "8", "--gpu", "RTX 3090", "--world-size", "2",
-                 "--shard", "optimizer"]) == 0
+    assert (
+        main(["estimate", TINY, "--batch-size", "8", "--gpu", "RTX 3090", "--world-size", "2", "--shard", "optimizer"])
+        == 0
+    )
     out = capsys.readouterr().out
     for text in ("optimizer state", "activations", "ddp buckets", "fixed costs", "total", "fits", "RTX 3090"):
         assert text in out

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import memfit
-from memfit.estimator.breakdown import Peak, analyze
-from memfit.errors import MemfitError
 from memfit.batch_search import Outcome
+from memfit.errors import MemfitError
+from memfit.estimator.breakdown import Peak, analyze
 from memfit.estimator.estimate import apply_sharding, estimate, largest_fitting, resolve_target
 from memfit.estimator.fake import UnsupportedOperation, run_fake_steps
-from memfit.memory.gpus import lookup
 from memfit.estimator.sharding import bucket_sizes, shard_states, uses_ddp_buckets
+from memfit.memory.gpus import lookup
 from memfit.units import GiB, KiB, MiB
 
 # mlp:layers=1,features=16,width=256,classes=16 at batch 256, by hand (fp32):
@@ -55,7 +55,10 @@ def test_mlp_activations_saved_for_backward_match_the_hand_computation() -> None
     assert at_end.categories["optimizer state"] == MLP_ADAMW
     assert at_end.categories["gradients"] == 0  # zero_grad(set_to_none) after step 0
     assert dict(at_end.top_modules) == {
-        "inp": 262144, "blocks.0.linear": 262144, "blocks.0": 262144, "<outside modules>": 16384 + 2048 + 16384 + 1024,
+        "inp": 262144,
+        "blocks.0.linear": 262144,
+        "blocks.0": 262144,
+        "<outside modules>": 16384 + 2048 + 16384 + 1024,
     }
 
 
@@ -149,8 +152,13 @@ def test_uses_ddp_buckets(world: int, shard: str, expected: bool) -> None:
 
 
 def _peak() -> Peak:
-    categories = {"parameters": 4 * MiB, "gradients": 4 * MiB, "optimizer state": 8 * MiB,
-                  "activations": 2 * MiB, "temporaries": 0}
+    categories = {
+        "parameters": 4 * MiB,
+        "gradients": 4 * MiB,
+        "optimizer state": 8 * MiB,
+        "activations": 2 * MiB,
+        "temporaries": 0,
+    }
     return Peak(18 * MiB, 20 * MiB, categories, [], gradient_sizes=[2 * MiB, 2 * MiB])
 
 
@@ -244,7 +252,11 @@ def _no_fake(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("forward", "op", "why"),
     [
-        (lambda x: x[torch.nonzero(x > 0, as_tuple=True)].sum().expand(2), "aten.nonzero", "output shape depends on the data"),
+        (
+            lambda x: x[torch.nonzero(x > 0, as_tuple=True)].sum().expand(2),
+            "aten.nonzero",
+            "output shape depends on the data",
+        ),
         (lambda x: x * float(x.sum()), "aten._local_scalar_dense", "reads a tensor's value"),
         (lambda x: _no_fake(x), "memfit_test.no_fake", "no fake/meta implementation"),
     ],

@@ -14,11 +14,11 @@ from memfit.monitor.findings import (
     find_shape_peak,
     fragmentation_floor,
     growth_by_phase,
-    steps_per_record,
     keeps_growing,
     rising_fraction,
     shape_key,
     shape_size,
+    steps_per_record,
     successful_retries,
     unused_reserve,
 )
@@ -191,7 +191,12 @@ def test_steps_per_record(steps, expected):
 def test_growth_by_phase_skips_changes_across_shapes():
     recs = records(
         [100, 150, 400, 450],
-        labels=[{"phase": "a", "seq_len": 8}, {"phase": "b", "seq_len": 8}, {"phase": "a", "seq_len": 64}, {"phase": "b", "seq_len": 64}],
+        labels=[
+            {"phase": "a", "seq_len": 8},
+            {"phase": "b", "seq_len": 8},
+            {"phase": "a", "seq_len": 64},
+            {"phase": "b", "seq_len": 64},
+        ],
     )
     assert growth_by_phase(recs, 0, 3) == {"b": 50.0}
 

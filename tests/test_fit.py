@@ -11,8 +11,14 @@ TINY = "mlp:layers=2,width=32,features=16"
 
 
 def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
-    result = memfit.fit(TINY, "sim:16MiB", target_batch_size=96, lock_path=tmp_path / "memfit.lock",
-                        report_dir=tmp_path / "report", run_doctor=False)
+    result = memfit.fit(
+        TINY,
+        "sim:16MiB",
+        target_batch_size=96,
+        lock_path=tmp_path / "memfit.lock",
+        report_dir=tmp_path / "report",
+        run_doctor=False,
+    )
     lock = load_lock(tmp_path / "memfit.lock")
     assert lock.settings == result.plan.recommended.settings
     assert lock.settings.batch_size == 96 and lock.target_batch_size == 96
@@ -24,12 +30,25 @@ def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
     assert page.count("data:image/png;base64,") == 3  # probe, estimate and plan figures, embedded
     assert "Plan" in page and "Probe" in page and "Estimate" in page
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
-        "report-estimate.png", "report-plan.png", "report-probe.png", "report.html"]
+        "report-estimate.png",
+        "report-plan.png",
+        "report-probe.png",
+        "report.html",
+    ]
 
 
 def test_fit_command_default_target_and_json(tmp_path, run_cli):
-    status, out, err = run_cli("fit", TINY, "--device", "sim:8MiB", "--lock", str(tmp_path / "m.lock"),
-                               "--report-dir", str(tmp_path / "r"), "--json")
+    status, out, err = run_cli(
+        "fit",
+        TINY,
+        "--device",
+        "sim:8MiB",
+        "--lock",
+        str(tmp_path / "m.lock"),
+        "--report-dir",
+        str(tmp_path / "r"),
+        "--json",
+    )
     assert status == 0, err
     data = json.loads(out)
     assert data["plan"]["target_batch_size"] == data["probe"]["recommended_batch_size"]
@@ -38,7 +57,8 @@ def test_fit_command_default_target_and_json(tmp_path, run_cli):
 
 
 def test_fit_bad_input_writes_nothing(tmp_path, run_cli):
-    status, out, err = run_cli("fit", "gtp2", "--device", "sim:8MiB", "--lock", str(tmp_path / "m.lock"),
-                               "--report-dir", str(tmp_path / "r"))
+    status, _out, err = run_cli(
+        "fit", "gtp2", "--device", "sim:8MiB", "--lock", str(tmp_path / "m.lock"), "--report-dir", str(tmp_path / "r")
+    )
     assert status == 2 and len(err.strip().splitlines()) == 1 and "unknown workload" in err
     assert list(tmp_path.iterdir()) == []

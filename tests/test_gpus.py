@@ -8,8 +8,20 @@ from memfit.errors import MemfitError
 from memfit.memory.gpus import GPUS, cublas_workspace, fixed_costs, lookup, normalize_name
 from memfit.units import KiB, MiB
 
-REQUIRED = ["RTX 3060 12GB", "RTX 3090", "RTX 4090", "T4", "V100 16GB", "V100 32GB", "A10", "L4",
-            "A100 40GB", "A100 80GB", "H100 80GB", "H200"]
+REQUIRED = [
+    "RTX 3060 12GB",
+    "RTX 3090",
+    "RTX 4090",
+    "T4",
+    "V100 16GB",
+    "V100 32GB",
+    "A10",
+    "L4",
+    "A100 40GB",
+    "A100 80GB",
+    "H100 80GB",
+    "H200",
+]
 
 
 @pytest.mark.parametrize("name", REQUIRED)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import itertools
 import logging
 import random
 import warnings
@@ -22,9 +23,9 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.guard.batching import chunk_sizes
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.guard import Guard, GuardError, SplitPolicy
+from memfit.guard.batching import chunk_sizes
 from memfit.guard.gradients import expected_optimizer_state_bytes, reset_scaler_step_state
 from memfit.guard.policy import grow, halve
 from memfit.memory.allocator import round_size
@@ -271,7 +272,7 @@ def test_fault_injection_gives_the_whole_batch_update(seed: int) -> None:
         assert guard.accumulation == len(chunk_sizes(samples, sizes[-1]))
         new_events = guard.events[events:]
         events = len(guard.events)
-        assert [(e.micro_batch_before, e.micro_batch_after) for e in new_events] == list(zip(sizes, sizes[1:]))
+        assert [(e.micro_batch_before, e.micro_batch_after) for e in new_events] == list(itertools.pairwise(sizes))
         assert [(e.micro_batch_index, e.where) for e in new_events] == [(k, WHERE[w]) for k, w in plan]
         assert all(e.step == step for e in new_events)
         if plan:
@@ -373,7 +374,7 @@ def test_partial_gradients_from_the_failed_backward_are_discarded() -> None:
 
 
 def test_gradients_the_user_already_had_are_kept() -> None:
-    guard, faults, model, optimizer = _guard()
+    guard, faults, model, _optimizer = _guard()
     reference = copy.deepcopy(model)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -430,7 +431,7 @@ def test_oom_at_micro_batch_one_is_a_clear_error() -> None:
 
 
 def test_batchnorm_warns_once_when_it_first_splits() -> None:
-    guard, faults, model, _ = _guard(batchnorm=True)
+    guard, faults, _model, _ = _guard(batchnorm=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         guard.step(make_batch(8, 5))  # no split: no warning
@@ -474,7 +475,9 @@ def test_events_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [e.describe() for e in guard.events]
     assert lines[0] == "memfit guard: out of memory at step 0 in forward of micro-batch 0 on rank 0; micro-batch 8 -> 4"
-    assert lines[1] == "memfit guard: out of memory at step 0 in backward of micro-batch 1 on rank 0; micro-batch 4 -> 2"
+    assert (
+        lines[1] == "memfit guard: out of memory at step 0 in backward of micro-batch 1 on rank 0; micro-batch 4 -> 2"
+    )
 
 
 def test_custom_split_for_a_batch_memfit_cannot_split() -> None:
@@ -489,7 +492,10 @@ def test_custom_split_for_a_batch_memfit_cannot_split() -> None:
     def split(b: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
         n = b["targets"].shape[0]
         return [
-            {"features": b["features"][:, i : i + size], **{k: b[k][i : i + size] for k in ("targets", "index", "tokens")}}
+            {
+                "features": b["features"][:, i : i + size],
+                **{k: b[k][i : i + size] for k in ("targets", "index", "tokens")},
+            }
             for i in range(0, n, size)
         ]
 

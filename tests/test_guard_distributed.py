@@ -97,7 +97,9 @@ def worker(rank: int, store: str, where: str, out: str) -> None:
         state["step"], state["call"] = step, 0
         guard.step(local_batch(rank, step))
         history.append([p.detach().clone() for p in model.module.parameters()])
-    events = [(e.step, e.micro_batch_before, e.micro_batch_after, e.where, e.rank, e.micro_batch_index) for e in guard.events]
+    events = [
+        (e.step, e.micro_batch_before, e.micro_batch_after, e.where, e.rank, e.micro_batch_index) for e in guard.events
+    ]
     torch.save({"history": history, "events": events, "micro": guard.micro_batch_size, "left": pending}, out)
     dist.destroy_process_group()
 
@@ -124,7 +126,9 @@ def reference_history() -> list[list[torch.Tensor]]:
         ([(100,), (4,)], 32, [1, 1]),  # a tensor larger than a bucket gets its own
     ],
 )
-def test_buckets_group_tensors_up_to_a_size(shapes: list[tuple[int, ...]], bucket_bytes: int, expected: list[int]) -> None:
+def test_buckets_group_tensors_up_to_a_size(
+    shapes: list[tuple[int, ...]], bucket_bytes: int, expected: list[int]
+) -> None:
     from memfit.distributed import _buckets
 
     tensors = [torch.zeros(shape) for shape in shapes]
@@ -154,7 +158,15 @@ def test_only_rank_one_runs_out_of_memory(where: str, tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     processes = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(rank), str(tmp_path / "store"), where, str(tmp_path / f"rank{rank}.pt")],
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                str(rank),
+                str(tmp_path / "store"),
+                where,
+                str(tmp_path / f"rank{rank}.pt"),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,

@@ -47,7 +47,11 @@ class Regression(pl.LightningModule):
         super().__init__()
         self.batch_size = batch_size
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 1)
+            torch.nn.Linear(64, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 1),
         )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -140,7 +144,13 @@ def test_loss_of_refuses_outputs_without_a_loss(output: Any) -> None:
 
 @pytest.mark.parametrize(
     ("target", "world", "fits", "expected"),
-    [(512, 1, 256, (256, 2)), (512, 1, 512, (512, 1)), (2048, 2, 512, (512, 2)), (96, 2, 40, (24, 2)), (7, 1, 3, (1, 7))],
+    [
+        (512, 1, 256, (256, 2)),
+        (512, 1, 512, (512, 1)),
+        (2048, 2, 512, (512, 2)),
+        (96, 2, 40, (24, 2)),
+        (7, 1, 3, (1, 7)),
+    ],
 )
 def test_split_target_is_exact_with_the_fewest_accumulation_steps(
     target: int, world: int, fits: int, expected: tuple[int, int]
@@ -285,9 +295,11 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-         __file__, str(out)],
-        env=env, capture_output=True, text=True, timeout=170,
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     return out

@@ -34,7 +34,7 @@ def dataset(samples: int = 32, length: int = 16) -> list[dict[str, torch.Tensor]
     labels = ids.clone()
     labels[:, :3] = -100  # a prompt
     labels[::3, 10:] = -100  # every third sample has fewer target tokens
-    return [{"input_ids": i, "labels": l} for i, l in zip(ids, labels)]
+    return [{"input_ids": i, "labels": target} for i, target in zip(ids, labels)]
 
 
 def train(
@@ -42,8 +42,16 @@ def train(
 ) -> tuple[Any, torch.nn.Module]:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        vocab_size=100,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
@@ -74,7 +82,9 @@ def assert_same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> N
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(("normalized", "share", "expected"), [(True, 0.25, 1.0), (False, 0.25, 0.25), (False, 1.0, 1.0)])
+@pytest.mark.parametrize(
+    ("normalized", "share", "expected"), [(True, 0.25, 1.0), (False, 0.25, 0.25), (False, 1.0, 1.0)]
+)
 def test_micro_batch_factor(normalized: bool, share: float, expected: float) -> None:
     assert micro_batch_factor(normalized, share) == expected
 
@@ -95,7 +105,10 @@ def test_an_oom_mid_training_is_recovered_with_the_unsplit_weights(tmp_path: Pat
 def test_a_mean_loss_is_weighted_by_the_given_token_count(tmp_path: Path) -> None:
     _, reference = train(tmp=tmp_path, accepts_loss_kwargs=False)
     trainer, model = train(
-        MemfitTrainer, tmp_path, accepts_loss_kwargs=False, memfit_device=TIGHT,
+        MemfitTrainer,
+        tmp_path,
+        accepts_loss_kwargs=False,
+        memfit_device=TIGHT,
         memfit_weight=lambda batch: int((batch["labels"][:, 1:] != -100).sum()),
     )
     assert trainer.memfit_events
@@ -103,9 +116,8 @@ def test_a_mean_loss_is_weighted_by_the_given_token_count(tmp_path: Path) -> Non
 
 
 def test_without_memfit_the_same_run_runs_out_of_memory(tmp_path: Path) -> None:
-    with pytest.raises(torch.OutOfMemoryError):
-        with memfit.device(TIGHT):
-            train(tmp=tmp_path)
+    with pytest.raises(torch.OutOfMemoryError), memfit.device(TIGHT):
+        train(tmp=tmp_path)
 
 
 def test_memory_is_recorded_per_step_and_reported_in_the_logs(tmp_path: Path) -> None:

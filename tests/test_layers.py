@@ -132,10 +132,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[str]:
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt]
+                cycle = [*trail[trail.index(nxt) :], nxt] if nxt in trail else [node, nxt]
                 found.append("import cycle: " + " -> ".join(cycle))
             elif nxt not in state:
-                visit(nxt, trail + [nxt])
+                visit(nxt, [*trail, nxt])
         state[node] = 2
 
     for node in sorted(graph):
@@ -158,36 +158,47 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_planted_upward_import_is_caught(tmp_path: Path) -> None:
-    root = _plant(tmp_path, {
-        "__init__.py": "",
-        "memory/__init__.py": "",
-        "memory/devices.py": "from memfit.search.probe import probe\n",
-        "search/__init__.py": "",
-        "search/probe.py": "def probe(): pass\n",
-    })
+    root = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "memory/__init__.py": "",
+            "memory/devices.py": "from memfit.search.probe import probe\n",
+            "search/__init__.py": "",
+            "search/probe.py": "def probe(): pass\n",
+        },
+    )
     assert violations(root) == [
         "memfit.memory.devices:1 imports memfit.search.probe from a higher layer (search above memory)"
     ]
 
 
 def test_an_upward_import_inside_a_function_is_caught_too(tmp_path: Path) -> None:
-    root = _plant(tmp_path, {
-        "__init__.py": "",
-        "run/__init__.py": "",
-        "run/measure.py": "def measure():\n    from memfit.reporting import pages\n",
-        "reporting/__init__.py": "",
-        "reporting/pages.py": "",
-    })
-    assert violations(root) == ["memfit.run.measure:2 imports memfit.reporting.pages from a higher layer (reporting above run)"]
+    root = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "run/__init__.py": "",
+            "run/measure.py": "def measure():\n    from memfit.reporting import pages\n",
+            "reporting/__init__.py": "",
+            "reporting/pages.py": "",
+        },
+    )
+    assert violations(root) == [
+        "memfit.run.measure:2 imports memfit.reporting.pages from a higher layer (reporting above run)"
+    ]
 
 
 def test_a_cycle_inside_a_package_is_caught(tmp_path: Path) -> None:
-    root = _plant(tmp_path, {
-        "__init__.py": "",
-        "workload/__init__.py": "",
-        "workload/spec.py": "def f():\n    from memfit.workload import zoo\n",
-        "workload/zoo.py": "from memfit.workload.spec import f\n",
-    })
+    root = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "workload/__init__.py": "",
+            "workload/spec.py": "def f():\n    from memfit.workload import zoo\n",
+            "workload/zoo.py": "from memfit.workload.spec import f\n",
+        },
+    )
     found = violations(root)
     assert any(v.startswith("import cycle:") and "memfit.workload.spec" in v for v in found), found
 

@@ -10,8 +10,8 @@ import torch
 import memfit
 from memfit.environment.envfile import Fingerprint, GpuFingerprint
 from memfit.errors import MemfitError
-from memfit.search.lock import Lock, Measured, check_lock, load_lock, write_lock
 from memfit.run.settings import Settings
+from memfit.search.lock import Lock, Measured, check_lock, load_lock, write_lock
 
 HERE = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.13.0+cpu", gpus=())
 A100 = GpuFingerprint("NVIDIA A100-SXM4-80GB", 85_000_000_000, "8.0")
@@ -23,16 +23,26 @@ def make_lock(**changes) -> Lock:
         settings=Settings(precision="bf16", checkpointing="blocks", micro_batch_size=8, accumulation_steps=4),
         target_batch_size=32,
         environment=HERE,
-        measured=Measured(device="sim:8GiB", capacity=8 * 2**30, peak_allocated=123, peak_reserved=456,
-                          samples_per_second=78.5, headroom=0.05, max_batch_size=64),
+        measured=Measured(
+            device="sim:8GiB",
+            capacity=8 * 2**30,
+            peak_allocated=123,
+            peak_reserved=456,
+            samples_per_second=78.5,
+            headroom=0.05,
+            max_batch_size=64,
+        ),
     )
     fields.update(changes)
     return Lock(**fields)
 
 
 def test_round_trip(tmp_path):
-    lock = make_lock(environment=Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.5.1+cu124",
-                                             torch_cuda="12.4", driver="550.54", gpus=(A100,)))
+    lock = make_lock(
+        environment=Fingerprint(
+            python="3.11.7", os="Linux x86_64", torch="2.5.1+cu124", torch_cuda="12.4", driver="550.54", gpus=(A100,)
+        )
+    )
     path = write_lock(lock, tmp_path / "memfit.lock")
     loaded = load_lock(path)
     assert loaded.settings == lock.settings
@@ -65,8 +75,13 @@ def test_check_same_environment_has_no_difference(tmp_path):
 
 def test_check_reports_a_changed_gpu_and_suggests_probing(tmp_path):
     old = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.5.1+cu124", torch_cuda="12.4", gpus=(A100,))
-    new = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.5.1+cu124", torch_cuda="12.4",
-                      gpus=(GpuFingerprint("NVIDIA GeForce RTX 3090", 25_000_000_000, "8.6"),))
+    new = Fingerprint(
+        python="3.11.7",
+        os="Linux x86_64",
+        torch="2.5.1+cu124",
+        torch_cuda="12.4",
+        gpus=(GpuFingerprint("NVIDIA GeForce RTX 3090", 25_000_000_000, "8.6"),),
+    )
     path = write_lock(make_lock(environment=old), tmp_path / "memfit.lock")
     result = check_lock(path, current=new)
     assert result.matters and result.gpu_changed
@@ -98,9 +113,11 @@ BAD_LOCKS = {
     "foreign": ('schema = "something.else"\nschema_version = 1\n', "is not a memfit.lock"),
     "newer": ('schema = "memfit.lock"\nschema_version = 99\n', "newer than this memfit reads"),
     "damaged": ('schema = "memfit.lock"\nschema_version = 1\n[workload]\nref = "mlp"\n', "damaged memfit.lock"),
-    "bad settings": ('schema = "memfit.lock"\nschema_version = 1\n[workload]\nref = "mlp"\n[settings]\nprecision = "fp8"\nmicro_batch_size = 2\n'
-                     '[target]\nbatch_size = 2\n[environment]\nschema = "memfit.environment"\nschema_version = 1\npython = "3.11"\nos = "Linux"\n',
-                     "unknown precision 'fp8'"),
+    "bad settings": (
+        'schema = "memfit.lock"\nschema_version = 1\n[workload]\nref = "mlp"\n[settings]\nprecision = "fp8"\nmicro_batch_size = 2\n'
+        '[target]\nbatch_size = 2\n[environment]\nschema = "memfit.environment"\nschema_version = 1\npython = "3.11"\nos = "Linux"\n',
+        "unknown precision 'fp8'",
+    ),
     "binary": (b"\xff\xfe\x00garbage", "not a valid memfit.lock"),
 }
 
@@ -128,8 +145,17 @@ def test_check_cli_exit_status(tmp_path, run_cli):
     same = write_lock(make_lock(environment=here), tmp_path / "same.lock")
     status, out, _ = run_cli("check", str(same))
     assert status == 0 and "matches" in out
-    other = Fingerprint(python=here.python, os=here.os, os_release=here.os_release, torch="1.0.0",
-                        torch_cuda=here.torch_cuda, cudnn=here.cudnn, driver=here.driver, cuda_driver=here.cuda_driver, gpus=here.gpus)
+    other = Fingerprint(
+        python=here.python,
+        os=here.os,
+        os_release=here.os_release,
+        torch="1.0.0",
+        torch_cuda=here.torch_cuda,
+        cudnn=here.cudnn,
+        driver=here.driver,
+        cuda_driver=here.cuda_driver,
+        gpus=here.gpus,
+    )
     changed = write_lock(make_lock(environment=other), tmp_path / "changed.lock")
     status, out, _ = run_cli("check", str(changed))
     assert status == 1 and "torch" in out

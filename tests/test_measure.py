@@ -33,7 +33,9 @@ def test_fp16_runs_with_a_grad_scaler():
 
 
 def test_same_numbers_on_every_run():
-    runs = [memfit.measure("gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=16,vocab_size=128", 4, "sim:1GiB") for _ in range(3)]
+    runs = [
+        memfit.measure("gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=16,vocab_size=128", 4, "sim:1GiB") for _ in range(3)
+    ]
     assert len({(r.peak_allocated, r.peak_reserved) for r in runs}) == 1
 
 

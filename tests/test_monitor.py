@@ -185,9 +185,11 @@ def test_fragmentation_on_the_simulated_allocator_is_reported(capacity, retry_st
 
 
 def test_fragmentation_runs_out_of_memory_at_half_the_capacity():
-    with pytest.raises(torch.OutOfMemoryError, match="reserved by PyTorch but unallocated"):
-        with Monitor("sim:192MiB") as monitor:
-            fragmenting_steps(monitor, 40)
+    with (
+        pytest.raises(torch.OutOfMemoryError, match="reserved by PyTorch but unallocated"),
+        Monitor("sim:192MiB") as monitor,
+    ):
+        fragmenting_steps(monitor, 40)
     records = monitor.records
     assert records[-1]["event"] == "oom"
     assert max(r["peak_allocated"] for r in records) < 192 * MiB // 2
@@ -238,12 +240,11 @@ def test_every_records_one_step_in_n_with_the_peak_of_all_of_them():
 def test_an_oom_is_recorded_and_propagates_unchanged(tmp_path):
     path = tmp_path / "run.jsonl"
     gpu = memfit.device("sim:4MiB")
-    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
-        with Monitor(gpu, path=path) as monitor:
-            kept = []
-            for _ in range(10):
-                kept.append(torch.empty(MiB // 4))  # 1 MiB per step: the fourth does not fit
-                monitor.step()
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"), Monitor(gpu, path=path) as monitor:
+        kept = []
+        for _ in range(10):
+            kept.append(torch.empty(MiB // 4))  # 1 MiB per step: the fourth does not fit
+            monitor.step()
     # 1 MiB requests share 2 MiB small-pool segments: four fit in 4 MiB, the fifth does not
     assert [r["step"] for r in monitor.records] == [0, 1, 2, 3, 4]
     last = monitor.records[-1]
@@ -258,10 +259,9 @@ def test_an_oom_is_recorded_and_propagates_unchanged(tmp_path):
 
 def test_other_errors_propagate_unchanged_without_a_record():
     error = ValueError("shapes do not match")
-    with pytest.raises(ValueError) as caught:
-        with Monitor("sim:64MiB") as monitor:
-            monitor.step()
-            raise error
+    with pytest.raises(ValueError) as caught, Monitor("sim:64MiB") as monitor:
+        monitor.step()
+        raise error
     assert caught.value is error
     assert len(monitor.records) == 1 and "event" not in monitor.records[0]
 

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 import memfit
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.measure import Measurement
-from memfit.search.plan import advice, candidates, divisors, dominates, plan
 from memfit.run.settings import Settings
+from memfit.search.plan import advice, candidates, divisors, dominates, plan
 
 MLP = "mlp:layers=4,width=64,features=32"
 
 
-@pytest.mark.parametrize(("n", "expected"), [(1, [1]), (12, [12, 6, 4, 3, 2, 1]), (13, [13, 1]), (16, [16, 8, 4, 2, 1])])
+@pytest.mark.parametrize(
+    ("n", "expected"), [(1, [1]), (12, [12, 6, 4, 3, 2, 1]), (13, [13, 1]), (16, [16, 8, 4, 2, 1])]
+)
 def test_divisors(n, expected):
     assert divisors(n) == expected
 
@@ -28,7 +32,10 @@ def test_every_candidate_multiplies_to_the_target(target, world):
     assert len(pool) == len(set(pool)) == 6 * len(divisors(target // world))
 
 
-@pytest.mark.parametrize(("target", "world", "message"), [(13, 2, "choose a multiple of 2, such as 12"), (0, 1, "invalid target"), (3, 4, "such as 4")])
+@pytest.mark.parametrize(
+    ("target", "world", "message"),
+    [(13, 2, "choose a multiple of 2, such as 12"), (0, 1, "invalid target"), (3, 4, "such as 4")],
+)
 def test_impossible_targets(target, world, message):
     with pytest.raises(MemfitError, match=message):
         candidates(target, world_size=world)
@@ -53,9 +60,15 @@ class FormulaDevice:
     """Trials from a formula: memory per sample by precision and checkpointing, speed
     growing with the micro-batch. Records the candidates tried, in order."""
 
-    FACTOR = {("fp32", "none"): 1.0, ("bf16", "none"): 0.5, ("fp16", "none"): 0.5,
-              ("fp32", "blocks"): 0.3, ("bf16", "blocks"): 0.15, ("fp16", "blocks"): 0.15}
-    SPEED = {"fp32": 1.0, "bf16": 1.6, "fp16": 1.5}
+    FACTOR: ClassVar[dict[tuple[str, str], float]] = {
+        ("fp32", "none"): 1.0,
+        ("bf16", "none"): 0.5,
+        ("fp16", "none"): 0.5,
+        ("fp32", "blocks"): 0.3,
+        ("bf16", "blocks"): 0.15,
+        ("fp16", "blocks"): 0.15,
+    }
+    SPEED: ClassVar[dict[str, float]] = {"fp32": 1.0, "bf16": 1.6, "fp16": 1.5}
 
     def __init__(self, per_sample: int, capacity: int, base: int = 100) -> None:
         self.per_sample, self.capacity, self.base = per_sample, capacity, base
@@ -81,6 +94,7 @@ class FormulaDevice:
             per = self.per_sample * self.FACTOR[(s.precision, s.checkpointing)]
             guess = int((self.capacity - self.base) // per)
             return min(limit, guess if exact else guess * 2)  # exact, or an optimistic estimator
+
         return predict
 
 
@@ -101,7 +115,12 @@ def test_trials_run_in_order_and_dominated_candidates_are_skipped():
     ]
     assert result.trial_steps == 12
     best = result.recommended.settings
-    assert (best.micro_batch_size, best.accumulation_steps, best.precision, best.checkpointing) == (16, 2, "bf16", "none")
+    assert (best.micro_batch_size, best.accumulation_steps, best.precision, best.checkpointing) == (
+        16,
+        2,
+        "bf16",
+        "none",
+    )
     statuses = {c.status for c in result.candidates}
     assert {"measured", "dominated", "too large (estimate)"} <= statuses
 
@@ -137,11 +156,20 @@ def test_prime_target_gets_advice():
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        (dict(target_batch_size=256, micro_batch_size=32, reference_batch_size=64), "scale the learning rate by 4 (linear rule"),
+        (
+            dict(target_batch_size=256, micro_batch_size=32, reference_batch_size=64),
+            "scale the learning rate by 4 (linear rule",
+        ),
         (dict(target_batch_size=256, micro_batch_size=32, reference_batch_size=64), "or 2 (square-root rule"),
         (dict(target_batch_size=64, micro_batch_size=8, has_batchnorm=True), "consider GroupNorm"),
-        (dict(target_batch_size=64, micro_batch_size=8, has_batchnorm=True, world_size=4), "SyncBatchNorm across ranks"),
-        (dict(target_batch_size=64, micro_batch_size=8, variable_shapes=True, cudnn_benchmark=True), "cudnn.benchmark is on"),
+        (
+            dict(target_batch_size=64, micro_batch_size=8, has_batchnorm=True, world_size=4),
+            "SyncBatchNorm across ranks",
+        ),
+        (
+            dict(target_batch_size=64, micro_batch_size=8, variable_shapes=True, cudnn_benchmark=True),
+            "cudnn.benchmark is on",
+        ),
     ],
 )
 def test_advice_rules(kwargs, expected):

@@ -29,8 +29,9 @@ def test_table_and_summary(run_cli) -> None:
 
 
 def test_memory_option_sizes_the_sim_device_and_max_batch_size_bounds_it(run_cli) -> None:
-    status, out, _ = run_cli("probe", FAST, "--device", "sim", "--memory", "4MiB", "--max-batch-size", "6",
-                             "--multiple-of", "2", "--json")
+    status, out, _ = run_cli(
+        "probe", FAST, "--device", "sim", "--memory", "4MiB", "--max-batch-size", "6", "--multiple-of", "2", "--json"
+    )
     assert status == 0
     data = json.loads(out)
     assert (data["max_batch_size"], data["limit"], data["multiple_of"]) == (6, "max_batch_size", 2)
@@ -39,7 +40,9 @@ def test_memory_option_sizes_the_sim_device_and_max_batch_size_bounds_it(run_cli
 
 def test_plot_writes_a_png(run_cli, tmp_path: Path) -> None:
     target = tmp_path / "probe.png"
-    status, out, _ = run_cli("probe", FAST, "--device", "sim:4MiB", "--max-batch-size", "8", "--plot", str(target), "--json")
+    status, out, _ = run_cli(
+        "probe", FAST, "--device", "sim:4MiB", "--max-batch-size", "8", "--plot", str(target), "--json"
+    )
     assert status == 0
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["probe.png"]  # no temp file left behind

@@ -51,10 +51,20 @@ def launch(argv_for_rank, tmp_path: Path) -> list[subprocess.CompletedProcess[st
     port = free_port()
     processes = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        processes.append(subprocess.Popen(argv_for_rank(rank), env=env, cwd=tmp_path, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        processes.append(
+            subprocess.Popen(
+                argv_for_rank(rank), env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+        )
     results = []
     try:
         for process in processes:
@@ -97,8 +107,21 @@ def test_one_rank_that_does_not_fit_makes_every_rank_raise(tmp_path: Path) -> No
 
 def test_cli_under_two_processes_prints_on_rank_0_only(tmp_path: Path) -> None:
     specs = ["sim:4MiB", "sim:6MiB"]
-    done = launch(lambda rank: [sys.executable, "-m", "memfit", "probe", CONVNET, "--device", specs[rank],
-                                "--headroom", "0", "--json"], tmp_path)
+    done = launch(
+        lambda rank: [
+            sys.executable,
+            "-m",
+            "memfit",
+            "probe",
+            CONVNET,
+            "--device",
+            specs[rank],
+            "--headroom",
+            "0",
+            "--json",
+        ],
+        tmp_path,
+    )
     assert [p.returncode for p in done] == [0, 0], done[1].stderr[-2000:]
     assert json.loads(done[0].stdout)["max_batch_size"] == 14
     assert json.loads(done[0].stdout)["world_size"] == 2

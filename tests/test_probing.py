@@ -44,8 +44,12 @@ def test_search_finds_the_maximum_then_the_headroom_batch() -> None:
 def test_search_recommends_where_throughput_stops_growing() -> None:
     capacity = 1000 * MiB
     flat_after_100 = lambda b: 0.001 * max(b, 100)  # noqa: E731 - samples/s stops growing at 100
-    found = search(formula_trial(capacity, seconds=flat_after_100), SearchSpace(capacity=capacity),
-                   capacity=capacity, headroom=0.05)
+    found = search(
+        formula_trial(capacity, seconds=flat_after_100),
+        SearchSpace(capacity=capacity),
+        capacity=capacity,
+        headroom=0.05,
+    )
     assert (found.max_batch_size, found.headroom_batch_size) == (300, 283)
     assert (found.recommended_batch_size, found.throughput_batch_size) == (112, 112)
     assert found.reason.startswith("throughput stops growing at batch 112")
@@ -60,15 +64,21 @@ def test_search_with_a_right_guess_proves_it_in_two_trials() -> None:
 
 def test_search_stops_at_max_batch_size() -> None:
     capacity = 1000 * MiB
-    found = search(formula_trial(capacity), SearchSpace(capacity=capacity, max_batch_size=200), capacity=capacity, headroom=0)
+    found = search(
+        formula_trial(capacity), SearchSpace(capacity=capacity, max_batch_size=200), capacity=capacity, headroom=0
+    )
     assert [t.batch_size for t in found.trials] == [1, 7, 112, 200]
     assert (found.max_batch_size, found.limit) == (200, "max_batch_size")
 
 
 def test_search_maximum_of_one() -> None:
     capacity = 1000 * MiB
-    found = search(formula_trial(capacity, fixed=900 * MiB, per_sample=60 * MiB), SearchSpace(capacity=capacity),
-                   capacity=capacity, headroom=0)
+    found = search(
+        formula_trial(capacity, fixed=900 * MiB, per_sample=60 * MiB),
+        SearchSpace(capacity=capacity),
+        capacity=capacity,
+        headroom=0,
+    )
     assert [t.batch_size for t in found.trials] == [1, 2]
     assert found.max_batch_size == 1
 
@@ -76,8 +86,12 @@ def test_search_maximum_of_one() -> None:
 def test_search_that_does_not_fit_at_batch_1_names_the_memory() -> None:
     capacity = 1000 * MiB
     with pytest.raises(DoesNotFitError) as raised:
-        search(formula_trial(capacity, fixed=1200 * MiB), SearchSpace(capacity=capacity), capacity=capacity,
-               describe="big on sim:1000MiB")
+        search(
+            formula_trial(capacity, fixed=1200 * MiB),
+            SearchSpace(capacity=capacity),
+            capacity=capacity,
+            describe="big on sim:1000MiB",
+        )
     message = str(raised.value)
     assert message.startswith("big on sim:1000MiB does not fit even at batch size 1")
     assert "more than the 1000.00 MiB the device has" in message
@@ -168,15 +182,20 @@ def convnet_in_a_training_script() -> tuple[Workload, torch.nn.Module, torch.opt
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update()
-    workload = Workload(model=model, make_batch=base.make_batch, loss=base.loss,
-                        optimizer=lambda params: optimizer, name="script")
+    workload = Workload(
+        model=model, make_batch=base.make_batch, loss=base.loss, optimizer=lambda params: optimizer, name="script"
+    )
     return workload, model, optimizer, scaler
 
 
 def snapshot_everything(model, optimizer, scaler):
     tensors = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    state = [(i, k, v.clone()) for i, entry in sorted(optimizer.state_dict()["state"].items()) for k, v in sorted(entry.items())]
+    state = [
+        (i, k, v.clone())
+        for i, entry in sorted(optimizer.state_dict()["state"].items())
+        for k, v in sorted(entry.items())
+    ]
     return tensors, grads, state, scaler.state_dict(), model.training
 
 
@@ -224,7 +243,9 @@ def test_a_real_error_propagates_unchanged_and_state_is_still_restored() -> None
 
 
 def test_does_not_fit_on_sim_is_a_clear_error() -> None:
-    with pytest.raises(DoesNotFitError, match=r"does not fit even at batch size 1: one training step needs more than the 2\.00 MiB"):
+    with pytest.raises(
+        DoesNotFitError, match=r"does not fit even at batch size 1: one training step needs more than the 2\.00 MiB"
+    ):
         probe("mlp:layers=2,width=32,features=16384", "sim:2MiB")
 
 
@@ -256,10 +277,13 @@ def test_a_device_without_a_limit_needs_max_batch_size() -> None:
         probe(FAST[0], "cpu")
 
 
-@pytest.mark.parametrize(("ref", "spec"), [
-    ("mlp:layers=2,width=64,features=64", "sim:6MiB"),
-    ("convnet:blocks=1,channels=8,image_size=32", "sim:8MiB"),
-])
+@pytest.mark.parametrize(
+    ("ref", "spec"),
+    [
+        ("mlp:layers=2,width=64,features=64", "sim:6MiB"),
+        ("convnet:blocks=1,channels=8,image_size=32", "sim:8MiB"),
+    ],
+)
 def test_probe_starting_at_the_estimate_is_exact_in_at_most_three_trials(ref, spec):
     """Issue 4: with the device's memory known, probe starts at memfit.estimate's answer."""
     from_scratch = probe(ref, spec, headroom=0, guess=None)

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from memfit.monitor.findings import MemoryFinding
-from memfit.run.measure import Measurement
 from memfit._html import html_table, is_byte_key, to_html
 from memfit._io import write_atomically
+from memfit.monitor.findings import MemoryFinding
 from memfit.monitor.monitor import Monitor
 from memfit.monitor.timeline import timeline_png
 from memfit.reporting.pages import write_report
+from memfit.run.measure import Measurement
 
 MiB = 2**20
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -28,10 +28,34 @@ PROBE = {
     "recommended_batch_size": 32,
     "trial_steps": 2,
     "trials": [
-        {"batch_size": 8, "fits": True, "peak_allocated": 200 * MiB, "peak_reserved": 220 * MiB, "samples_per_second": 410.0},
-        {"batch_size": 32, "fits": True, "peak_allocated": 700 * MiB, "peak_reserved": 760 * MiB, "samples_per_second": 990.5},
-        {"batch_size": 48, "fits": True, "peak_allocated": 1000 * MiB, "peak_reserved": 1010 * MiB, "samples_per_second": 1002.0},
-        {"batch_size": 64, "fits": False, "peak_allocated": 1020 * MiB, "peak_reserved": 1024 * MiB, "samples_per_second": None},
+        {
+            "batch_size": 8,
+            "fits": True,
+            "peak_allocated": 200 * MiB,
+            "peak_reserved": 220 * MiB,
+            "samples_per_second": 410.0,
+        },
+        {
+            "batch_size": 32,
+            "fits": True,
+            "peak_allocated": 700 * MiB,
+            "peak_reserved": 760 * MiB,
+            "samples_per_second": 990.5,
+        },
+        {
+            "batch_size": 48,
+            "fits": True,
+            "peak_allocated": 1000 * MiB,
+            "peak_reserved": 1010 * MiB,
+            "samples_per_second": 1002.0,
+        },
+        {
+            "batch_size": 64,
+            "fits": False,
+            "peak_allocated": 1020 * MiB,
+            "peak_reserved": 1024 * MiB,
+            "samples_per_second": None,
+        },
     ],
 }
 ESTIMATE = {
@@ -47,10 +71,24 @@ ESTIMATE = {
 PLAN = {
     "workload": "gpt2:n_layer=2",
     "candidates": [
-        {"precision": "bf16", "checkpointing": "none", "micro_batch_size": 16, "accumulation_steps": 2,
-         "peak_reserved": 900 * MiB, "samples_per_second": 1200.0, "fits": True},
-        {"precision": "fp32", "checkpointing": "blocks", "micro_batch_size": 32, "accumulation_steps": 1,
-         "peak_reserved": 980 * MiB, "samples_per_second": 800.0, "fits": True},
+        {
+            "precision": "bf16",
+            "checkpointing": "none",
+            "micro_batch_size": 16,
+            "accumulation_steps": 2,
+            "peak_reserved": 900 * MiB,
+            "samples_per_second": 1200.0,
+            "fits": True,
+        },
+        {
+            "precision": "fp32",
+            "checkpointing": "blocks",
+            "micro_batch_size": 32,
+            "accumulation_steps": 1,
+            "peak_reserved": 980 * MiB,
+            "samples_per_second": 800.0,
+            "fits": True,
+        },
     ],
 }
 
@@ -91,17 +129,29 @@ def test_html_table_formats_sizes_escapes_text_and_fills_missing_cells():
 @pytest.mark.parametrize(
     "obj, expected",
     [
-        (Measurement(batch_size=8, fits=True, peak_allocated=MiB, peak_reserved=2 * MiB, seconds_per_step=0.5),
-         ["<th>batch_size</th><td>8</td>", '<th>peak_reserved</th><td title="2097152 bytes">2.00 MiB</td>']),
+        (
+            Measurement(batch_size=8, fits=True, peak_allocated=MiB, peak_reserved=2 * MiB, seconds_per_step=0.5),
+            ["<th>batch_size</th><td>8</td>", '<th>peak_reserved</th><td title="2097152 bytes">2.00 MiB</td>'],
+        ),
         ({"breakdown": {"activation": 5 * MiB}}, ['<th>activation</th><td title="5242880 bytes">5.00 MiB</td>']),
         ([{"batch_size": 4}, {"batch_size": 8}], ["<th>batch_size</th>", "<td>4</td>", "<td>8</td>"]),
         ({"trials": [{"batch_size": 2}]}, ["<th>trials</th><td><table", "<td>2</td>"]),
-        (MemoryFinding(kind="leak", title="Memory leak: +1 B per step", summary="grew", first_step=0, last_step=9,
-                 causes=("`total = total + loss`",)),
-         ['class="finding leak"', "<code>total = total + loss</code>"]),
+        (
+            MemoryFinding(
+                kind="leak",
+                title="Memory leak: +1 B per step",
+                summary="grew",
+                first_step=0,
+                last_step=9,
+                causes=("`total = total + loss`",),
+            ),
+            ['class="finding leak"', "<code>total = total + loss</code>"],
+        ),
         ("plain", ["<pre>plain</pre>"]),
-        ({"advice": ["use bf16, then", "checkpoint"], "shape": [8, 128], "fixed_costs": {}},
-         ["<td>use bf16, then<br>checkpoint</td>", "<td>8, 128</td>", "<th>fixed_costs</th><td>-</td>"]),
+        (
+            {"advice": ["use bf16, then", "checkpoint"], "shape": [8, 128], "fixed_costs": {}},
+            ["<td>use bf16, then<br>checkpoint</td>", "<td>8, 128</td>", "<th>fixed_costs</th><td>-</td>"],
+        ),
     ],
 )
 def test_to_html(obj, expected):
@@ -116,7 +166,13 @@ def test_to_html(obj, expected):
 def test_timeline_png_draws_with_and_without_steps():
     header = {"device": "sim:1GiB", "capacity": 2**30}
     records = [
-        {"step": i, "allocated": MiB * i, "reserved": 2 * MiB * i, "peak_allocated": MiB * (i + 1), "num_ooms": int(i == 3)}
+        {
+            "step": i,
+            "allocated": MiB * i,
+            "reserved": 2 * MiB * i,
+            "peak_allocated": MiB * (i + 1),
+            "num_ooms": int(i == 3),
+        }
         for i in range(4)
     ]
     for png in (timeline_png(header, records), timeline_png(header, [])):
@@ -192,8 +248,16 @@ def results(tmp_path) -> dict[str, Path]:
 def test_report_command_renders_the_png_and_a_self_contained_html(tmp_path, leaking_run, results, run_cli):
     output = tmp_path / "out" / "report.html"
     status, out, err = run_cli(
-        "report", str(leaking_run), "-o", str(output),
-        "--probe", str(results["probe"]), "--estimate", str(results["estimate"]), "--plan", str(results["plan"]),
+        "report",
+        str(leaking_run),
+        "-o",
+        str(output),
+        "--probe",
+        str(results["probe"]),
+        "--estimate",
+        str(results["estimate"]),
+        "--plan",
+        str(results["plan"]),
         "--json",
     )
     assert status == 0, err

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import memfit
-from memfit.run.steps import run_steps
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.devices import SimDevice
+from memfit.run.steps import run_steps
 
 MiB = 2**20
 
@@ -78,7 +78,12 @@ def test_budget_resets_between_devices_and_back_to_baseline_after_a_run():
 
 @pytest.mark.parametrize(
     ("spec", "kind", "capacity"),
-    [("sim:8GiB", SimDevice, 8 * 2**30), ("sim:512MiB", SimDevice, 512 * MiB), ("SIM:1GB", SimDevice, 10**9), ("cpu", SimDevice, None)],
+    [
+        ("sim:8GiB", SimDevice, 8 * 2**30),
+        ("sim:512MiB", SimDevice, 512 * MiB),
+        ("SIM:1GB", SimDevice, 10**9),
+        ("cpu", SimDevice, None),
+    ],
 )
 def test_device_specs(spec, kind, capacity):
     gpu = memfit.device(spec)

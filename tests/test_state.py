@@ -47,7 +47,9 @@ def grads_of(model: nn.Module) -> list[torch.Tensor | None]:
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, torch.Tensor]]:
     state = optimizer.state_dict()["state"]
-    return [(index, key, value.clone()) for index, entry in sorted(state.items()) for key, value in sorted(entry.items())]
+    return [
+        (index, key, value.clone()) for index, entry in sorted(state.items()) for key, value in sorted(entry.items())
+    ]
 
 
 def assert_bit_identical(left: list[torch.Tensor], right: list[torch.Tensor]) -> None:

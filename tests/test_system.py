@@ -50,22 +50,37 @@ SMI_BANNER = """+---------------------------------------------------------------
 
 def test_parse_smi_gpus():
     first, second = parse_smi_gpus(SMI_GPUS)
-    assert first == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": UUID0, "pci_bus_id": "00000000:19:00.0",
-                     "total_memory": 81559 * MiB, "used_memory": 40964 * MiB, "free_memory": 40054 * MiB,
-                     "compute_capability": (9, 0)}
+    assert first == {
+        "index": 0,
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": UUID0,
+        "pci_bus_id": "00000000:19:00.0",
+        "total_memory": 81559 * MiB,
+        "used_memory": 40964 * MiB,
+        "free_memory": 40054 * MiB,
+        "compute_capability": (9, 0),
+    }
     assert second["index"] == 1 and second["used_memory"] == 4 * MiB
 
 
-@pytest.mark.parametrize("csv, expected", [
-    (SMI_APPS, [(UUID0, GpuProcess(31337, "/usr/bin/python3", 40950 * MiB)), (UUID0, GpuProcess(4040, "jupyter", None))]),
-    ("No running processes found\n", []),
-    ("", []),
-])
+@pytest.mark.parametrize(
+    "csv, expected",
+    [
+        (
+            SMI_APPS,
+            [(UUID0, GpuProcess(31337, "/usr/bin/python3", 40950 * MiB)), (UUID0, GpuProcess(4040, "jupyter", None))],
+        ),
+        ("No running processes found\n", []),
+        ("", []),
+    ],
+)
 def test_parse_smi_processes(csv, expected):
     assert parse_smi_processes(csv) == expected
 
 
-@pytest.mark.parametrize("banner, expected", [(SMI_BANNER, (12, 4)), ("CUDA Version: 11.8", (11, 8)), ("no banner", None)])
+@pytest.mark.parametrize(
+    "banner, expected", [(SMI_BANNER, (12, 4)), ("CUDA Version: 11.8", (11, 8)), ("no banner", None)]
+)
 def test_parse_smi_cuda_version(banner, expected):
     assert parse_smi_cuda_version(banner) == expected
 
@@ -110,11 +125,14 @@ def recorded_nvml(fail_init: pynvml.NVMLError | None = None) -> types.ModuleType
     module.nvmlDeviceGetHandleByIndex = handles.__getitem__
     module.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"
     module.nvmlDeviceGetUUID = lambda h: UUID0 if h == "h0" else UUID1
-    module.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId="00000000:19:00.0" if h == "h0" else "00000000:3B:00.0")
+    module.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(
+        busId="00000000:19:00.0" if h == "h0" else "00000000:3B:00.0"
+    )
     module.nvmlDeviceGetMemoryInfo = lambda h: _Memory(80 * GiB, 42 * GiB if h == "h0" else 500 * MiB)
     module.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)
-    module.nvmlDeviceGetComputeRunningProcesses = (
-        lambda h: [_Proc(31337, 40 * GiB), _Proc(777, None), _Proc(4040, GiB)] if h == "h0" else [])
+    module.nvmlDeviceGetComputeRunningProcesses = lambda h: (
+        [_Proc(31337, 40 * GiB), _Proc(777, None), _Proc(4040, GiB)] if h == "h0" else []
+    )
 
     def graphics(h: str) -> list[_Proc]:
         if h == "h1":
@@ -133,11 +151,19 @@ def test_nvml_facts_from_recorded_answers(monkeypatch):
     assert facts.source == "nvml" and facts.error is None
     assert facts.driver_version == "550.54.15" and facts.cuda_driver_version == (12, 4)
     first, second = facts.gpus
-    assert (first.index, first.name, first.uuid, first.pci_bus_id) == (0, "NVIDIA H100 80GB HBM3", UUID0, "00000000:19:00.0")
+    assert (first.index, first.name, first.uuid, first.pci_bus_id) == (
+        0,
+        "NVIDIA H100 80GB HBM3",
+        UUID0,
+        "00000000:19:00.0",
+    )
     assert (first.total_memory, first.used_memory, first.free_memory) == (80 * GiB, 42 * GiB, 38 * GiB)
     assert first.compute_capability == (9, 0) and first.arch == 90
-    assert first.processes == (GpuProcess(31337, "/usr/bin/python3", 40 * GiB), GpuProcess(777, "?", None),
-                               GpuProcess(4040, "Xorg", GiB))
+    assert first.processes == (
+        GpuProcess(31337, "/usr/bin/python3", 40 * GiB),
+        GpuProcess(777, "?", None),
+        GpuProcess(4040, "Xorg", GiB),
+    )
     assert second.processes == () and second.used_memory == 500 * MiB
     assert fake.calls == ["init", "shutdown"]
 
@@ -153,30 +179,43 @@ def test_nvidia_smi_answers_when_nvml_cannot(monkeypatch, tmp_path):
     (tmp_path / "gpus.csv").write_text(SMI_GPUS)
     (tmp_path / "apps.csv").write_text(SMI_APPS)
     (tmp_path / "banner.txt").write_text(SMI_BANNER)
-    write_script(tmp_path, "nvidia-smi", f"""case "$1" in
+    write_script(
+        tmp_path,
+        "nvidia-smi",
+        f"""case "$1" in
   --query-gpu=driver_version) echo 550.54.15 ;;
   --query-gpu=*) cat {tmp_path}/gpus.csv ;;
   --query-compute-apps=*) cat {tmp_path}/apps.csv ;;
   *) cat {tmp_path}/banner.txt ;;
 esac
-""")
+""",
+    )
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     facts = LiveProbe().nvidia()
     assert facts.source == "nvidia-smi" and facts.driver_version == "550.54.15"
     assert facts.cuda_driver_version == (12, 4)
     assert [gpu.uuid for gpu in facts.gpus] == [UUID0, UUID1]
-    assert facts.gpus[0].processes == (GpuProcess(31337, "/usr/bin/python3", 40950 * MiB), GpuProcess(4040, "jupyter", None))
+    assert facts.gpus[0].processes == (
+        GpuProcess(31337, "/usr/bin/python3", 40950 * MiB),
+        GpuProcess(4040, "jupyter", None),
+    )
     assert facts.gpus[1].processes == ()
 
 
 def test_failing_nvidia_smi_keeps_both_messages(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pynvml", recorded_nvml(fail_init=pynvml.NVMLError_DriverNotLoaded()))
-    write_script(tmp_path, "nvidia-smi", "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2\nexit 9\n")
+    write_script(
+        tmp_path,
+        "nvidia-smi",
+        "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2\nexit 9\n",
+    )
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     facts = LiveProbe().nvidia()
     assert facts.gpus == () and facts.source is None
-    assert facts.error == ("NVML: Driver Not Loaded; nvidia-smi: nvidia-smi failed: "
-                           "NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver")
+    assert facts.error == (
+        "NVML: Driver Not Loaded; nvidia-smi: nvidia-smi failed: "
+        "NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver"
+    )
 
 
 def test_no_nvml_and_no_nvidia_smi(monkeypatch, tmp_path):
@@ -223,13 +262,16 @@ def test_python_facts_of_this_interpreter():
     assert facts.manager == ("venv" if sys.prefix != sys.base_prefix else facts.manager)
 
 
-@pytest.mark.parametrize("prefix, base, conda_prefix, expected", [
-    ("/opt/conda/envs/a", "/opt/conda/envs/a", "/opt/conda/envs/a", "conda"),
-    ("/work/.venv", "/opt/conda/envs/a", "/opt/conda/envs/a", "venv"),
-    ("/work/.venv", "/usr", None, "venv"),
-    ("/usr", "/usr", None, "system"),
-    ("/usr", "/usr", "/opt/conda", "system"),
-])
+@pytest.mark.parametrize(
+    "prefix, base, conda_prefix, expected",
+    [
+        ("/opt/conda/envs/a", "/opt/conda/envs/a", "/opt/conda/envs/a", "conda"),
+        ("/work/.venv", "/opt/conda/envs/a", "/opt/conda/envs/a", "venv"),
+        ("/work/.venv", "/usr", None, "venv"),
+        ("/usr", "/usr", None, "system"),
+        ("/usr", "/usr", "/opt/conda", "system"),
+    ],
+)
 def test_python_manager(prefix, base, conda_prefix, expected):
     assert PythonFacts("3.11.7", "CPython", "python", prefix, base, conda_prefix).manager == expected
 

@@ -59,7 +59,10 @@ def _torchrun(*command: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *command],
-        env=env, capture_output=True, text=True, timeout=240,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
 
 
@@ -73,9 +76,9 @@ def alone() -> dict[str, int]:
 def test_memfit_probe_under_torchrun_gives_one_agreed_answer(alone: dict[str, int]) -> None:
     # Each rank picks its own size from LOCAL_RANK (the per-rank recipe for plain -m memfit).
     script = (
-        'case "$LOCAL_RANK" in 0) size=%s;; *) size=%s;; esac; '
-        'exec "$0" -m memfit probe %s --device "sim:$size" --multiple-of %d --json'
-    ) % (SIZES[0], SIZES[1], WORKLOAD, MULTIPLE)
+        f'case "$LOCAL_RANK" in 0) size={SIZES[0]};; *) size={SIZES[1]};; esac; '
+        f'exec "$0" -m memfit probe {WORKLOAD} --device "sim:$size" --multiple-of {MULTIPLE} --json'
+    )
     completed = _torchrun("--no-python", "sh", "-c", script, sys.executable)
     assert completed.returncode == 0, completed.stderr[-4000:]
     result = json.loads(completed.stdout)  # one document: rank 1 printed nothing
@@ -90,11 +93,20 @@ def test_memfit_probe_under_torchrun_gives_one_agreed_answer(alone: dict[str, in
 @pytest.mark.timeout(300)
 def test_the_torchrun_module_gives_each_rank_its_device_from_one_list(alone: dict[str, int]) -> None:
     completed = _torchrun(
-        "-m", "memfit.integrations.torchrun", "probe", WORKLOAD, "--device", f"sim:{SIZES[0]},{SIZES[1]}",
-        "--multiple-of", str(MULTIPLE), "--json",
+        "-m",
+        "memfit.integrations.torchrun",
+        "probe",
+        WORKLOAD,
+        "--device",
+        f"sim:{SIZES[0]},{SIZES[1]}",
+        "--multiple-of",
+        str(MULTIPLE),
+        "--json",
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     result = json.loads(completed.stdout)
     assert (result["world_size"], result["max_batch_size"], result["local_max_batch_size"]) == (
-        2, alone[SIZES[1]], alone[SIZES[0]],
+        2,
+        alone[SIZES[1]],
+        alone[SIZES[0]],
     )

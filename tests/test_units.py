@@ -29,7 +29,14 @@ def test_parse_size_rejects(text):
 
 @pytest.mark.parametrize(
     ("nbytes", "expected"),
-    [(0, "0 B"), (512, "512 B"), (2048, "2.00 KiB"), (3 * 2**20, "3.00 MiB"), (8 * 2**30, "8.00 GiB"), (-2**20, "-1.00 MiB")],
+    [
+        (0, "0 B"),
+        (512, "512 B"),
+        (2048, "2.00 KiB"),
+        (3 * 2**20, "3.00 MiB"),
+        (8 * 2**30, "8.00 GiB"),
+        (-(2**20), "-1.00 MiB"),
+    ],
 )
 def test_format_size(nbytes, expected):
     assert format_size(nbytes) == expected

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import memfit
-from memfit.run.steps import run_steps
 from memfit.errors import WorkloadError
-from memfit.workload.zoo import ENTRIES, TINY as TINY_ZOO, parse_options
+from memfit.run.steps import run_steps
+from memfit.workload.zoo import ENTRIES, parse_options
+from memfit.workload.zoo import TINY as TINY_ZOO
 
 WORKLOAD_SOURCE = textwrap.dedent(
     """
@@ -86,7 +87,13 @@ def test_a_module_instance_is_trained_in_place():
 
 @pytest.mark.parametrize(
     ("text", "options"),
-    [("", {}), ("a=1", {"a": 1}), ("a=1,b=x", {"a": 1, "b": "x"}), ("d=[1,2],e=true", {"d": [1, 2], "e": True}), ("f=0.5", {"f": 0.5})],
+    [
+        ("", {}),
+        ("a=1", {"a": 1}),
+        ("a=1,b=x", {"a": 1, "b": "x"}),
+        ("d=[1,2],e=true", {"d": [1, 2], "e": True}),
+        ("f=0.5", {"f": 0.5}),
+    ],
 )
 def test_parse_options(text, options):
     assert parse_options(text) == options

@@ -25,6 +25,7 @@ _BYTE_NAMES = frozenset(
 )
 _BYTE_SUFFIXES = ("_allocated", "_reserved", "_bytes", "_memory", "_capacity", "_unallocated", "_total")
 
+
 def is_byte_key(key: str) -> bool:
     """True when a field of that name holds bytes (``peak_allocated``, ``total``, ``memory``).
 

@@ -58,13 +58,11 @@ def parse_size(text: str | int) -> int:
     match = _SIZE_RE.match(str(text))
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise MemfitError(
-            f"invalid size {text!r}: use a number with a unit such as 8GiB, 512MiB, 16GB or plain bytes"
-        )
+        raise MemfitError(f"invalid size {text!r}: use a number with a unit such as 8GiB, 512MiB, 16GB or plain bytes")
     value = float(match.group(1)) * _UNITS[unit]
     if value < 1:
         raise MemfitError(f"invalid size {text!r}: must be at least one byte")
-    return int(round(value))
+    return round(value)
 
 
 def format_size(nbytes: float) -> str:
@@ -72,7 +70,7 @@ def format_size(nbytes: float) -> str:
     sign = "-" if nbytes < 0 else ""
     value = float(abs(nbytes))
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB" and value < 1024 * 1024:
+        if value < 1024 or (unit == "GiB" and value < 1024 * 1024):
             if unit == "B":
                 return f"{sign}{int(value)} B"
             return f"{sign}{value:.2f} {unit}"

@@ -6,8 +6,8 @@ import click
 from rich.table import Table
 from rich.text import Text
 
-from memfit.environment import system
 from memfit.cli.options import console, json_option, print_json
+from memfit.environment import system
 from memfit.environment.envfile import check_environment, export_environment
 
 
@@ -17,8 +17,15 @@ def command() -> None:
 
 
 @command.command("export")
-@click.option("-o", "--output", "directory", default=".", show_default=True, metavar="DIR",
-              help="Directory to write the three files into.")
+@click.option(
+    "-o",
+    "--output",
+    "directory",
+    default=".",
+    show_default=True,
+    metavar="DIR",
+    help="Directory to write the three files into.",
+)
 @json_option
 def export(directory: str, as_json: bool) -> None:
     """Write environment.yml, requirements.lock.txt (torch's CUDA variant kept) and environment.json."""
@@ -52,7 +59,12 @@ def check(path: str, as_json: bool) -> int:
     for column in ("field", "recorded", "here", "matters", "why"):
         table.add_column(column)
     for d in differences:
-        table.add_row(Text(d.field), Text(str(d.old)), Text(str(d.new)),
-                      Text("yes", style="bold red") if d.matters else Text("no"), Text(d.note))
+        table.add_row(
+            Text(d.field),
+            Text(str(d.old)),
+            Text(str(d.new)),
+            Text("yes", style="bold red") if d.matters else Text("no"),
+            Text(d.note),
+        )
     console.print(table)
     return status

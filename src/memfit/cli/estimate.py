@@ -13,17 +13,34 @@ from memfit.units import format_size
 
 @click.command("estimate")
 @workload_argument
-@click.option("--batch-size", type=click.IntRange(min=1), default=None,
-              help="Samples per forward/backward pass on each GPU (default: the largest that fits).")
-@click.option("--gpu", default=None, metavar="NAME", help='A GPU model from the table, such as "RTX 3090" or a100-80gb.')
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Samples per forward/backward pass on each GPU (default: the largest that fits).",
+)
+@click.option(
+    "--gpu", default=None, metavar="NAME", help='A GPU model from the table, such as "RTX 3090" or a100-80gb.'
+)
 @click.option("--memory", default=None, metavar="SIZE", help="A GPU whose PyTorch allocator may reserve SIZE.")
-@click.option("--device", "device_spec", default=None, metavar="sim:SIZE", help="The simulated GPU itself (no fixed costs).")
-@click.option("--fixed-costs", default=None, metavar="SIZE",
-              help="Override the CUDA context and workspace memory the allocator never sees.")
+@click.option(
+    "--device", "device_spec", default=None, metavar="sim:SIZE", help="The simulated GPU itself (no fixed costs)."
+)
+@click.option(
+    "--fixed-costs",
+    default=None,
+    metavar="SIZE",
+    help="Override the CUDA context and workspace memory the allocator never sees.",
+)
 @settings_options
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs training together.")
-@click.option("--shard", type=click.Choice(SHARDS), default="none", show_default=True,
-              help="Shard optimizer state (ZeRO-1), + gradients (ZeRO-2), or everything (ZeRO-3/FSDP).")
+@click.option(
+    "--shard",
+    type=click.Choice(SHARDS),
+    default="none",
+    show_default=True,
+    help="Shard optimizer state (ZeRO-1), + gradients (ZeRO-2), or everything (ZeRO-3/FSDP).",
+)
 @json_option
 def command(
     workload: str,

@@ -5,24 +5,49 @@ from __future__ import annotations
 import click
 
 from memfit.cli.options import console, device_options, err_console, json_option, print_json, workload_argument
-from memfit.search.fit import fit
 from memfit.memory.devices import device
+from memfit.search.fit import fit
 
 
 @click.command("fit")
 @workload_argument
 @device_options
-@click.option("--target-batch", "target", type=click.IntRange(min=1), default=None,
-              help="Global batch per optimizer step (default: the batch probe recommends).")
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=None,
-              help="Stop the batch search here (the largest batch you would ever use).")
+@click.option(
+    "--target-batch",
+    "target",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Global batch per optimizer step (default: the batch probe recommends).",
+)
+@click.option(
+    "--max-batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop the batch search here (the largest batch you would ever use).",
+)
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
-@click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
-              help="Fraction of memory to keep free.")
-@click.option("--lock", "lock_path", default="memfit.lock", show_default=True, type=click.Path(dir_okay=False),
-              help="Where to write the lock.")
-@click.option("--report-dir", default="memfit-report", show_default=True, type=click.Path(file_okay=False),
-              help="Where to write report.html and its figures.")
+@click.option(
+    "--headroom",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.05,
+    show_default=True,
+    help="Fraction of memory to keep free.",
+)
+@click.option(
+    "--lock",
+    "lock_path",
+    default="memfit.lock",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the lock.",
+)
+@click.option(
+    "--report-dir",
+    default="memfit-report",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Where to write report.html and its figures.",
+)
 @click.option("--no-doctor", is_flag=True, help="Skip the environment checks.")
 @json_option
 def command(
@@ -42,8 +67,16 @@ def command(
     gpu = device(device_spec, memory=memory)
     say = None if as_json else (lambda text: err_console.print(f"[dim]memfit fit ·[/dim] {text}"))
     result = fit(
-        workload, gpu, target_batch_size=target, headroom=headroom, max_batch_size=max_batch_size, world_size=world_size,
-        lock_path=lock_path, report_dir=report_dir, run_doctor=not no_doctor, say=say,
+        workload,
+        gpu,
+        target_batch_size=target,
+        headroom=headroom,
+        max_batch_size=max_batch_size,
+        world_size=world_size,
+        lock_path=lock_path,
+        report_dir=report_dir,
+        run_doctor=not no_doctor,
+        say=say,
     )
     if as_json:
         print_json(result.to_dict())

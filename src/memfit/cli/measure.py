@@ -14,8 +14,8 @@ from memfit.cli.options import (
     settings_options,
     workload_argument,
 )
-from memfit.run.measure import measure
 from memfit.memory.devices import device
+from memfit.run.measure import measure
 from memfit.units import format_size
 from memfit.workload import load_workload
 

@@ -33,11 +33,16 @@ def workload_argument(function: F) -> F:
 
 def device_options(function: F) -> F:
     function = click.option(
-        "--memory", default=None, metavar="SIZE",
+        "--memory",
+        default=None,
+        metavar="SIZE",
         help="Cap a real GPU to SIZE (emulates a smaller card), or size a sim device.",
     )(function)
     return click.option(
-        "--device", "device_spec", default="auto", show_default=True,
+        "--device",
+        "device_spec",
+        default="auto",
+        show_default=True,
         help="cuda, cuda:N, cpu, sim:SIZE (a simulated GPU, such as sim:8GiB), or auto.",
     )(function)
 
@@ -46,11 +51,17 @@ def settings_options(function: F) -> F:
     from memfit.run.settings import CHECKPOINTING, PRECISIONS
 
     function = click.option(
-        "--checkpointing", type=click.Choice(CHECKPOINTING), default="none", show_default=True,
+        "--checkpointing",
+        type=click.Choice(CHECKPOINTING),
+        default="none",
+        show_default=True,
         help="Recompute the model's repeated blocks in backward.",
     )(function)
     return click.option(
-        "--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+        "--precision",
+        type=click.Choice(PRECISIONS),
+        default="fp32",
+        show_default=True,
         help="fp32, or bf16/fp16 autocast (fp16 with a GradScaler).",
     )(function)
 

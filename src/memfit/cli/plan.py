@@ -14,24 +14,43 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.memory.devices import device
-from memfit.search.plan import Candidate, Plan, plan
 from memfit.run.settings import CHECKPOINTING, PRECISIONS
+from memfit.search.plan import Candidate, Plan, plan
 from memfit.units import format_size
 from memfit.workload import load_workload
 
 
 @click.command("plan")
 @workload_argument
-@click.option("--target-batch", "target", type=click.IntRange(min=1), required=True,
-              help="Global batch per optimizer step (micro-batch x accumulation x world size).")
+@click.option(
+    "--target-batch",
+    "target",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Global batch per optimizer step (micro-batch x accumulation x world size).",
+)
 @device_options
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
-@click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
-              help="Precisions to consider (repeatable; default: all the device supports).")
-@click.option("--checkpointing", "checkpointing", type=click.Choice(CHECKPOINTING), multiple=True,
-              help="Checkpointing modes to consider (repeatable; default: all the model supports).")
-@click.option("--reference-batch", type=click.IntRange(min=1), default=None,
-              help="The batch your learning rate was tuned for (for scaling advice).")
+@click.option(
+    "--precision",
+    "precisions",
+    type=click.Choice(PRECISIONS),
+    multiple=True,
+    help="Precisions to consider (repeatable; default: all the device supports).",
+)
+@click.option(
+    "--checkpointing",
+    "checkpointing",
+    type=click.Choice(CHECKPOINTING),
+    multiple=True,
+    help="Checkpointing modes to consider (repeatable; default: all the model supports).",
+)
+@click.option(
+    "--reference-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The batch your learning rate was tuned for (for scaling advice).",
+)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of memory against speed.")
 @json_option
 def command(
@@ -55,8 +74,13 @@ def command(
         err_console.print(f"  tried micro-batch {s.micro_batch_size} {s.precision} {s.checkpointing}: {c.status}")
 
     result = plan(
-        wl, target, gpu, world_size=world_size, precisions=precisions or None,
-        checkpointing=checkpointing or None, reference_batch_size=reference_batch,
+        wl,
+        target,
+        gpu,
+        world_size=world_size,
+        precisions=precisions or None,
+        checkpointing=checkpointing or None,
+        reference_batch_size=reference_batch,
         progress=None if as_json else progress,
     )
     if plot:
@@ -71,8 +95,8 @@ def write_plot(result: Plan, path: str) -> None:
     """The plan's figure as a PNG (written atomically), or a one-line error without data."""
     from pathlib import Path
 
-    from memfit.errors import MemfitError
     from memfit._io import write_atomically
+    from memfit.errors import MemfitError
     from memfit.reporting.figures import plan_png
 
     png = plan_png(result.to_dict())
@@ -93,9 +117,14 @@ def print_plan(result: Plan) -> None:
         s, m = c.settings, c.measurement
         mark = "★" if c is result.recommended else ("•" if id(c) in front else "")
         table.add_row(
-            str(s.micro_batch_size), str(s.accumulation_steps), s.precision, s.checkpointing, c.status,
+            str(s.micro_batch_size),
+            str(s.accumulation_steps),
+            s.precision,
+            s.checkpointing,
+            c.status,
             format_size(m.peak_reserved) if m else "-",
-            f"{c.samples_per_second:.1f}" if c.samples_per_second else "-", mark,
+            f"{c.samples_per_second:.1f}" if c.samples_per_second else "-",
+            mark,
         )
     console.print(table)
     console.print(f"[bold]Recommended:[/bold] {result.reason}")

@@ -27,10 +27,11 @@ from memfit.cli.options import (
     settings_options,
     workload_argument,
 )
-from memfit.errors import MemfitError
 from memfit.distributed import process_group
+from memfit.errors import MemfitError
+from memfit.memory.devices import Device, rank_device
+from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
-from memfit.memory.devices import Device, device as make_device, rank_device
 from memfit.search.probe import ProbeResult, probe
 from memfit.units import format_size
 from memfit.workload import load_workload
@@ -43,16 +44,36 @@ EXPECTED_TRIALS = 10
 @workload_argument
 @device_options
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="Largest batch to consider.")
-@click.option("--multiple-of", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Only batch sizes that are multiples of K (8 suits tensor cores).")
-@click.option("--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
-              help="Fraction of memory the recommended batch leaves free.")
-@click.option("--guess", type=click.IntRange(min=1), default=None,
-              help="A predicted maximum, tried first (default: memfit estimate's, when the memory is known).")
+@click.option(
+    "--multiple-of",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Only batch sizes that are multiples of K (8 suits tensor cores).",
+)
+@click.option(
+    "--headroom",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.05,
+    show_default=True,
+    help="Fraction of memory the recommended batch leaves free.",
+)
+@click.option(
+    "--guess",
+    type=click.IntRange(min=1),
+    default=None,
+    help="A predicted maximum, tried first (default: memfit estimate's, when the memory is known).",
+)
 @click.option("--no-estimate", is_flag=True, help="Search from batch 1 instead of starting at the estimate.")
 @settings_options
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              metavar="FILE.png", help="Draw memory and samples/s against batch size.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE.png",
+    help="Draw memory and samples/s against batch size.",
+)
 @json_option
 def command(
     workload: str,
@@ -81,8 +102,12 @@ def command(
         main = distributed.is_main_process()
         with _progress_bar(enabled=main) as progress:
             result = probe(
-                wl, gpu, settings,
-                max_batch_size=max_batch_size, multiple_of=multiple_of, headroom=headroom,
+                wl,
+                gpu,
+                settings,
+                max_batch_size=max_batch_size,
+                multiple_of=multiple_of,
+                headroom=headroom,
                 guess=guess if guess is not None or no_estimate else "estimate",
                 progress=progress,
             )
@@ -168,12 +193,12 @@ def _progress_bar(enabled: bool) -> Iterator[object]:
             return
         verdict = "fits" if measurement.fits else "out of memory"
         done = bar.tasks[task].completed + 1
-        bar.update(task, completed=done, total=max(EXPECTED_TRIALS, done + 1), description=f"batch {batch_size}: {verdict}")
+        bar.update(
+            task, completed=done, total=max(EXPECTED_TRIALS, done + 1), description=f"batch {batch_size}: {verdict}"
+        )
 
     try:
         yield update
     finally:
         if started:
             bar.stop()
-
-

@@ -15,8 +15,13 @@ _RESULT = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 @click.command("report")
 @click.argument("run", metavar="RUN.jsonl", type=_RESULT)
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="The HTML file to write (default: RUN with .html); the PNG goes beside it.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The HTML file to write (default: RUN with .html); the PNG goes beside it.",
+)
 @click.option("--probe", type=_RESULT, default=None, help="A `memfit probe --json` result to include.")
 @click.option("--estimate", type=_RESULT, default=None, help="A `memfit estimate --json` result to include.")
 @click.option("--plan", type=_RESULT, default=None, help="A `memfit plan --json` result to include.")

@@ -34,10 +34,10 @@ from memfit.environment.system import (
 from memfit.environment.versions import (
     ALLOC_CONF_KEYS,
     ARCH_MIN_CUDA,
-    WHEEL_INDEX,
     LATEST_RELEASE,
     NATIVE_ONLY_KEYS,
     TORCH_CUDA_BUILDS,
+    WHEEL_INDEX,
     arch_supported,
     base_version,
     cuda_builds,
@@ -162,17 +162,22 @@ def check_python(python: PythonFacts) -> list[EnvironmentFinding]:
     """Which Python, and which environment manager can recreate it."""
     if python.manager == "conda":
         name = python.conda_env or python.prefix.rstrip("/").rsplit("/", 1)[-1]
-        return [EnvironmentFinding("python", "info", f"Python {python.version} in conda env '{name}' ({python.prefix})")]
+        return [
+            EnvironmentFinding("python", "info", f"Python {python.version} in conda env '{name}' ({python.prefix})")
+        ]
     if python.manager == "venv":
         inside = f" (on conda env '{python.conda_env}')" if python.conda_env else ""
         return [EnvironmentFinding("python", "info", f"Python {python.version} in virtual env {python.prefix}{inside}")]
     major_minor = ".".join(python.version.split(".")[:2])
-    return [EnvironmentFinding(
-        "python", "warning",
-        f"Python {python.version} is the system interpreter ({python.executable}): no venv or conda env isolates "
-        "these packages, so memfit env export cannot name a reproducible environment",
-        f"python{major_minor} -m venv .venv && . .venv/bin/activate  (or: conda create -n train python={major_minor})",
-    )]
+    return [
+        EnvironmentFinding(
+            "python",
+            "warning",
+            f"Python {python.version} is the system interpreter ({python.executable}): no venv or conda env isolates "
+            "these packages, so memfit env export cannot name a reproducible environment",
+            f"python{major_minor} -m venv .venv && . .venv/bin/activate  (or: conda create -n train python={major_minor})",
+        )
+    ]
 
 
 def check_nvml(nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
@@ -180,10 +185,14 @@ def check_nvml(nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
     error = nvidia.error or ""
     if nvidia.gpus or not error or "Not Found" in error or "Driver Not Loaded" in error or "not found" in error:
         return []
-    return [EnvironmentFinding(
-        "driver", "error", f"the NVIDIA driver does not answer: {error}",
-        "reboot (or reload the nvidia kernel modules) after a driver upgrade; check with: nvidia-smi",
-    )]
+    return [
+        EnvironmentFinding(
+            "driver",
+            "error",
+            f"the NVIDIA driver does not answer: {error}",
+            "reboot (or reload the nvidia kernel modules) after a driver upgrade; check with: nvidia-smi",
+        )
+    ]
 
 
 def check_torch_build(torch: TorchFacts, nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
@@ -191,29 +200,64 @@ def check_torch_build(torch: TorchFacts, nvidia: NvidiaFacts) -> list[Environmen
     gpus = nvidia.gpus
     if torch.version is None:
         tag = pick_cuda_build(LATEST_RELEASE, nvidia.cuda_driver_version) if gpus else "cpu"
-        return [EnvironmentFinding("torch", "error", torch.error or "torch is not importable",
-                        f"pip install torch --index-url {WHEEL_INDEX}/{tag or 'cpu'}")]
+        return [
+            EnvironmentFinding(
+                "torch",
+                "error",
+                torch.error or "torch is not importable",
+                f"pip install torch --index-url {WHEEL_INDEX}/{tag or 'cpu'}",
+            )
+        ]
     if torch.hip:
-        return [EnvironmentFinding("torch", "info", f"torch {torch.version} is a ROCm build (HIP {torch.hip}): NVIDIA checks skipped")]
+        return [
+            EnvironmentFinding(
+                "torch", "info", f"torch {torch.version} is a ROCm build (HIP {torch.hip}): NVIDIA checks skipped"
+            )
+        ]
     if torch.cuda is None:
         if not gpus:
             reason = f" ({nvidia.error})" if nvidia.error else ""
-            return [EnvironmentFinding("torch", "info", f"no GPU visible{reason}; torch {torch.version} is a CPU build, "
-                                             "so training runs on the CPU")]
+            return [
+                EnvironmentFinding(
+                    "torch",
+                    "info",
+                    f"no GPU visible{reason}; torch {torch.version} is a CPU build, so training runs on the CPU",
+                )
+            ]
         names = ", ".join(sorted({gpu.name for gpu in gpus}))
         tag = pick_cuda_build(torch.version, nvidia.cuda_driver_version)
-        fix = (install_command(torch.version, tag) if tag else
-               f"upgrade the NVIDIA driver (it runs CUDA up to {_cuda_text(nvidia.cuda_driver_version)}), "
-               f"then: {install_command(torch.version, cuda_builds(torch.version)[-1])}")
-        return [EnvironmentFinding("torch", "error", f"torch {torch.version} is a CPU-only build, but {len(gpus)} NVIDIA GPU(s) "
-                                          f"are visible ({names}): every tensor stays on the CPU", fix)]
+        fix = (
+            install_command(torch.version, tag)
+            if tag
+            else f"upgrade the NVIDIA driver (it runs CUDA up to {_cuda_text(nvidia.cuda_driver_version)}), "
+            f"then: {install_command(torch.version, cuda_builds(torch.version)[-1])}"
+        )
+        return [
+            EnvironmentFinding(
+                "torch",
+                "error",
+                f"torch {torch.version} is a CPU-only build, but {len(gpus)} NVIDIA GPU(s) "
+                f"are visible ({names}): every tensor stays on the CPU",
+                fix,
+            )
+        ]
     if not gpus:
         reason = f" ({nvidia.error})" if nvidia.error else ""
-        return [EnvironmentFinding("torch", "warning",
-                        f"torch {torch.version} is a CUDA {torch.cuda} build, but no NVIDIA GPU is visible{reason}",
-                        "check the driver with nvidia-smi; in a container, start it with --gpus all")]
-    return [EnvironmentFinding("torch", "info", f"torch {torch.version}: CUDA {torch.cuda} build; torch sees "
-                                     f"{torch.device_count} of {len(gpus)} GPU(s)")]
+        return [
+            EnvironmentFinding(
+                "torch",
+                "warning",
+                f"torch {torch.version} is a CUDA {torch.cuda} build, but no NVIDIA GPU is visible{reason}",
+                "check the driver with nvidia-smi; in a container, start it with --gpus all",
+            )
+        ]
+    return [
+        EnvironmentFinding(
+            "torch",
+            "info",
+            f"torch {torch.version}: CUDA {torch.cuda} build; torch sees {torch.device_count} of {len(gpus)} GPU(s)",
+        )
+    ]
 
 
 def _cuda_text(version: tuple[int, int] | None) -> str:
@@ -230,19 +274,38 @@ def check_cuda_driver(torch: TorchFacts, nvidia: NvidiaFacts) -> list[Environmen
     upgrade = f"upgrade the NVIDIA driver to {minimum} or newer" if minimum else "upgrade the NVIDIA driver"
     fix = f"{install_command(torch.version, tag)}  (or {upgrade})" if tag else upgrade
     if needed[0] > driver[0]:
-        return [EnvironmentFinding("cuda-driver", "error",
-                        f"torch {torch.version} needs CUDA {torch.cuda}, but driver {nvidia.driver_version} "
-                        f"runs CUDA only up to {_cuda_text(driver)}: CUDA cannot start", fix)]
+        return [
+            EnvironmentFinding(
+                "cuda-driver",
+                "error",
+                f"torch {torch.version} needs CUDA {torch.cuda}, but driver {nvidia.driver_version} "
+                f"runs CUDA only up to {_cuda_text(driver)}: CUDA cannot start",
+                fix,
+            )
+        ]
     if needed > driver:
-        return [EnvironmentFinding("cuda-driver", "warning",
-                        f"torch {torch.version} uses CUDA {torch.cuda}, driver {nvidia.driver_version} runs up to "
-                        f"{_cuda_text(driver)}: it works only through CUDA minor-version compatibility "
-                        "(kernels that need PTX JIT fail)", fix)]
-    return [EnvironmentFinding("cuda-driver", "info", f"driver {nvidia.driver_version} runs CUDA up to {_cuda_text(driver)}; "
-                                           f"torch uses CUDA {torch.cuda}")]
+        return [
+            EnvironmentFinding(
+                "cuda-driver",
+                "warning",
+                f"torch {torch.version} uses CUDA {torch.cuda}, driver {nvidia.driver_version} runs up to "
+                f"{_cuda_text(driver)}: it works only through CUDA minor-version compatibility "
+                "(kernels that need PTX JIT fail)",
+                fix,
+            )
+        ]
+    return [
+        EnvironmentFinding(
+            "cuda-driver",
+            "info",
+            f"driver {nvidia.driver_version} runs CUDA up to {_cuda_text(driver)}; torch uses CUDA {torch.cuda}",
+        )
+    ]
 
 
-def check_torch_sees_gpus(torch: TorchFacts, nvidia: NvidiaFacts, environ: Mapping[str, str]) -> list[EnvironmentFinding]:
+def check_torch_sees_gpus(
+    torch: TorchFacts, nvidia: NvidiaFacts, environ: Mapping[str, str]
+) -> list[EnvironmentFinding]:
     """A CUDA build that cannot use visible GPUs, when nothing else explains it."""
     needed, driver = parse_cuda(torch.cuda), nvidia.cuda_driver_version
     if torch.version is None or needed is None or not nvidia.gpus or torch.cuda_available or torch.error:
@@ -252,8 +315,14 @@ def check_torch_sees_gpus(torch: TorchFacts, nvidia: NvidiaFacts, environ: Mappi
     if environ.get("CUDA_VISIBLE_DEVICES", None) is not None and _visible_count(environ, nvidia) == 0:
         return []  # check_visible_devices says why
     why = torch.warnings[0] if torch.warnings else "torch.cuda.is_available() is False"
-    return [EnvironmentFinding("torch", "error", f"torch cannot use the GPU: {why}",
-                    "python -c 'import torch; torch.zeros(1, device=\"cuda\")'  shows the full CUDA error")]
+    return [
+        EnvironmentFinding(
+            "torch",
+            "error",
+            f"torch cannot use the GPU: {why}",
+            "python -c 'import torch; torch.zeros(1, device=\"cuda\")'  shows the full CUDA error",
+        )
+    ]
 
 
 def check_arch(torch: TorchFacts, nvidia: NvidiaFacts) -> list[EnvironmentFinding]:
@@ -271,13 +340,16 @@ def check_arch(torch: TorchFacts, nvidia: NvidiaFacts) -> list[EnvironmentFindin
         else:
             hint = "an older CUDA build still ships its kernels"
             fix = install_command(torch.version, cuda_builds(torch.version)[0])
-        findings.append(EnvironmentFinding(
-            "arch", "error",
-            f"GPU {gpu.index} {gpu.name} is sm_{gpu.arch} (compute capability {gpu.compute_capability[0]}."
-            f"{gpu.compute_capability[1]}), torch {torch.version} has kernels for {' '.join(torch.arch_list)}: "
-            f"{hint} (\"no kernel image is available\")",
-            fix,
-        ))
+        findings.append(
+            EnvironmentFinding(
+                "arch",
+                "error",
+                f"GPU {gpu.index} {gpu.name} is sm_{gpu.arch} (compute capability {gpu.compute_capability[0]}."
+                f"{gpu.compute_capability[1]}), torch {torch.version} has kernels for {' '.join(torch.arch_list)}: "
+                f'{hint} ("no kernel image is available")',
+                fix,
+            )
+        )
     return findings
 
 
@@ -285,20 +357,30 @@ def newer_arch_fix(torch_version: str, arch: int, driver_cuda: tuple[int, int] |
     """The install command for a GPU newer than torch's kernels: this release's build for a
     CUDA that knows the GPU when there is one, else the newest release's."""
     required = ARCH_MIN_CUDA.get(arch, (0, 0))
-    runnable = [tag for tag in cuda_builds(torch_version)
-                if cuda_tag_version(tag) >= required and (driver_cuda is None or cuda_tag_version(tag) <= driver_cuda)]
+    runnable = [
+        tag
+        for tag in cuda_builds(torch_version)
+        if cuda_tag_version(tag) >= required and (driver_cuda is None or cuda_tag_version(tag) <= driver_cuda)
+    ]
     if runnable:
         return install_command(torch_version, runnable[-1])
     for release in sorted(TORCH_CUDA_BUILDS, reverse=True):
-        fitting = [tag for tag in TORCH_CUDA_BUILDS[release] if cuda_tag_version(tag) >= required
-                   and (driver_cuda is None or cuda_tag_version(tag) <= driver_cuda)]
+        fitting = [
+            tag
+            for tag in TORCH_CUDA_BUILDS[release]
+            if cuda_tag_version(tag) >= required and (driver_cuda is None or cuda_tag_version(tag) <= driver_cuda)
+        ]
         if fitting:
             wanted = ".".join(map(str, release))
-            return (f'pip install --force-reinstall "torch=={wanted}.*" --index-url {WHEEL_INDEX}/{fitting[-1]}  '
-                    f"(torch {base_version(torch_version)} has no build for sm_{arch})")
+            return (
+                f'pip install --force-reinstall "torch=={wanted}.*" --index-url {WHEEL_INDEX}/{fitting[-1]}  '
+                f"(torch {base_version(torch_version)} has no build for sm_{arch})"
+            )
     minimum = min_driver_for(required) or "a newer release"
     newest = cuda_builds(LATEST_RELEASE)[-1]
-    return f"upgrade the NVIDIA driver to {minimum}, then: pip install --upgrade torch --index-url {WHEEL_INDEX}/{newest}"
+    return (
+        f"upgrade the NVIDIA driver to {minimum}, then: pip install --upgrade torch --index-url {WHEEL_INDEX}/{newest}"
+    )
 
 
 def check_cudnn(torch: TorchFacts) -> list[EnvironmentFinding]:
@@ -309,8 +391,14 @@ def check_cudnn(torch: TorchFacts) -> list[EnvironmentFinding]:
         if not torch.cuda_available:
             return []
         major = (parse_cuda(torch.cuda) or (12, 0))[0]
-        return [EnvironmentFinding("cudnn", "warning", f"torch {torch.version} finds no cuDNN: convolutions fall back to slow kernels",
-                        f"pip install --force-reinstall nvidia-cudnn-cu{major}")]
+        return [
+            EnvironmentFinding(
+                "cudnn",
+                "warning",
+                f"torch {torch.version} finds no cuDNN: convolutions fall back to slow kernels",
+                f"pip install --force-reinstall nvidia-cudnn-cu{major}",
+            )
+        ]
     return [EnvironmentFinding("cudnn", "info", f"cuDNN {format_cudnn_version(torch.cudnn)} (as torch loads it)")]
 
 
@@ -318,9 +406,14 @@ def check_gpu_memory(nvidia: NvidiaFacts, own_pid: int) -> list[EnvironmentFindi
     """Each GPU's memory, who else holds it, and memory held by processes NVML cannot list."""
     findings = []
     for gpu in nvidia.gpus:
-        findings.append(EnvironmentFinding("gpu-memory", "info",
-                                f"GPU {gpu.index} {gpu.name}: {format_size(gpu.total_memory)} total, "
-                                f"{format_size(gpu.used_memory)} used, {format_size(gpu.free_memory)} free"))
+        findings.append(
+            EnvironmentFinding(
+                "gpu-memory",
+                "info",
+                f"GPU {gpu.index} {gpu.name}: {format_size(gpu.total_memory)} total, "
+                f"{format_size(gpu.used_memory)} used, {format_size(gpu.free_memory)} free",
+            )
+        )
         others = [p for p in gpu.processes if p.pid != own_pid]
         held = sum(p.used_memory or 0 for p in others)
         listed = sum(p.used_memory or 0 for p in gpu.processes)
@@ -329,21 +422,30 @@ def check_gpu_memory(nvidia: NvidiaFacts, own_pid: int) -> list[EnvironmentFindi
         if held > FOREIGN_SHARE * gpu.total_memory:
             who = ", ".join(f"pid {p.pid} {p.name} ({_gib(p.used_memory)})" for p in others)
             pids = " ".join(str(p.pid) for p in others)
-            findings.append(EnvironmentFinding(
-                "gpu-memory", "warning",
-                f"other processes hold {format_size(held)} ({100 * held / gpu.total_memory:.0f} %) of GPU {gpu.index}: {who}",
-                f"stop them (kill {pids}; a forgotten notebook kernel is the usual one){move}",
-            ))
+            findings.append(
+                EnvironmentFinding(
+                    "gpu-memory",
+                    "warning",
+                    f"other processes hold {format_size(held)} ({100 * held / gpu.total_memory:.0f} %) of GPU {gpu.index}: {who}",
+                    f"stop them (kill {pids}; a forgotten notebook kernel is the usual one){move}",
+                )
+            )
         unlisted = gpu.used_memory - listed
         if unlisted > FOREIGN_SHARE * gpu.total_memory:
-            whom = ("NVML lists no process" if not gpu.processes
-                    else f"NVML's processes account for only {format_size(listed)}")
-            findings.append(EnvironmentFinding(
-                "gpu-memory", "warning",
-                f"GPU {gpu.index} has {format_size(gpu.used_memory)} in use ({100 * gpu.used_memory / gpu.total_memory:.0f} %) "
-                f"but {whom}: processes in other containers or PID namespaces hold {format_size(unlisted)}",
-                f"run nvidia-smi on the host (outside the container) to find them{move}",
-            ))
+            whom = (
+                "NVML lists no process"
+                if not gpu.processes
+                else f"NVML's processes account for only {format_size(listed)}"
+            )
+            findings.append(
+                EnvironmentFinding(
+                    "gpu-memory",
+                    "warning",
+                    f"GPU {gpu.index} has {format_size(gpu.used_memory)} in use ({100 * gpu.used_memory / gpu.total_memory:.0f} %) "
+                    f"but {whom}: processes in other containers or PID namespaces hold {format_size(unlisted)}",
+                    f"run nvidia-smi on the host (outside the container) to find them{move}",
+                )
+            )
     return findings
 
 
@@ -386,83 +488,137 @@ def check_visible_devices(environ: Mapping[str, str], nvidia: NvidiaFacts) -> li
     if value is not None and nvidia.gpus:
         resolved, bad = _resolve_visible(value, nvidia)
         if not resolved:
-            findings.append(EnvironmentFinding("visible-devices", "warning",
-                                    f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU from torch",
-                                    "unset CUDA_VISIBLE_DEVICES  (or name a GPU: CUDA_VISIBLE_DEVICES=0)"))
+            findings.append(
+                EnvironmentFinding(
+                    "visible-devices",
+                    "warning",
+                    f"CUDA_VISIBLE_DEVICES={value!r} hides every GPU from torch",
+                    "unset CUDA_VISIBLE_DEVICES  (or name a GPU: CUDA_VISIBLE_DEVICES=0)",
+                )
+            )
         elif bad is not None:
             good = ",".join(_visible_entries(value)[: len(resolved)])
-            findings.append(EnvironmentFinding("visible-devices", "warning",
-                                    f"CUDA_VISIBLE_DEVICES={value} names {bad!r}, which is not a GPU here: CUDA ignores "
-                                    f"it and every entry after it", f"export CUDA_VISIBLE_DEVICES={good}"))
+            findings.append(
+                EnvironmentFinding(
+                    "visible-devices",
+                    "warning",
+                    f"CUDA_VISIBLE_DEVICES={value} names {bad!r}, which is not a GPU here: CUDA ignores "
+                    f"it and every entry after it",
+                    f"export CUDA_VISIBLE_DEVICES={good}",
+                )
+            )
         else:
-            findings.append(EnvironmentFinding("visible-devices", "info",
-                                    f"CUDA_VISIBLE_DEVICES={value}: torch sees {len(resolved)} of {len(nvidia.gpus)} GPUs"))
+            findings.append(
+                EnvironmentFinding(
+                    "visible-devices",
+                    "info",
+                    f"CUDA_VISIBLE_DEVICES={value}: torch sees {len(resolved)} of {len(nvidia.gpus)} GPUs",
+                )
+            )
     if order is not None and order not in ("PCI_BUS_ID", "FASTEST_FIRST"):
-        findings.append(EnvironmentFinding("device-order", "warning", f"CUDA_DEVICE_ORDER={order!r} is not a value CUDA knows",
-                                "export CUDA_DEVICE_ORDER=PCI_BUS_ID"))
+        findings.append(
+            EnvironmentFinding(
+                "device-order",
+                "warning",
+                f"CUDA_DEVICE_ORDER={order!r} is not a value CUDA knows",
+                "export CUDA_DEVICE_ORDER=PCI_BUS_ID",
+            )
+        )
     elif order is None and len(nvidia.gpus) > 1:
-        findings.append(EnvironmentFinding(
-            "device-order", "warning",
-            f"CUDA_DEVICE_ORDER is unset with {len(nvidia.gpus)} GPUs: CUDA numbers them fastest first, nvidia-smi by "
-            "PCI bus, so cuda:0 (and CUDA_VISIBLE_DEVICES=0) may not be nvidia-smi's GPU 0",
-            "export CUDA_DEVICE_ORDER=PCI_BUS_ID",
-        ))
+        findings.append(
+            EnvironmentFinding(
+                "device-order",
+                "warning",
+                f"CUDA_DEVICE_ORDER is unset with {len(nvidia.gpus)} GPUs: CUDA numbers them fastest first, nvidia-smi by "
+                "PCI bus, so cuda:0 (and CUDA_VISIBLE_DEVICES=0) may not be nvidia-smi's GPU 0",
+                "export CUDA_DEVICE_ORDER=PCI_BUS_ID",
+            )
+        )
     return findings
 
 
-def check_allocator(environ: Mapping[str, str], torch_version: str | None, variable_shapes: bool) -> list[EnvironmentFinding]:
+def check_allocator(
+    environ: Mapping[str, str], torch_version: str | None, variable_shapes: bool
+) -> list[EnvironmentFinding]:
     """PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF, parsed and checked key by key."""
     findings: list[EnvironmentFinding] = []
     settings = {name: environ[name] for name in ALLOC_VARIABLES if environ.get(name, "").strip()}
     for name, text in settings.items():
         pairs, malformed = parse_alloc_conf(text)
         for entry in malformed:
-            findings.append(EnvironmentFinding("allocator", "warning", f"{name}: {entry!r} is not key:value; torch refuses to start",
-                                    f"fix or remove {entry!r} in {name}"))
+            findings.append(
+                EnvironmentFinding(
+                    "allocator",
+                    "warning",
+                    f"{name}: {entry!r} is not key:value; torch refuses to start",
+                    f"fix or remove {entry!r} in {name}",
+                )
+            )
         for key, value in pairs:
             findings.extend(_check_alloc_pair(name, key, value))
         keys = {key: value for key, value in pairs}
         expandable = keys.get("expandable_segments", "").lower() == "true"
         if expandable and "max_split_size_mb" in keys:
-            findings.append(EnvironmentFinding(
-                "allocator", "warning",
-                f"{name} sets max_split_size_mb with expandable_segments:True: expandable segments already avoid the "
-                "fragmentation max_split_size_mb works around, and the split limit only keeps freed blocks from being reused",
-                f"export {name}={_without(text, 'max_split_size_mb')}",
-            ))
+            findings.append(
+                EnvironmentFinding(
+                    "allocator",
+                    "warning",
+                    f"{name} sets max_split_size_mb with expandable_segments:True: expandable segments already avoid the "
+                    "fragmentation max_split_size_mb works around, and the split limit only keeps freed blocks from being reused",
+                    f"export {name}={_without(text, 'max_split_size_mb')}",
+                )
+            )
         if keys.get("backend") == "cudaMallocAsync":
             ignored = sorted(NATIVE_ONLY_KEYS & keys.keys())
             if ignored:
-                findings.append(EnvironmentFinding("allocator", "warning",
-                                        f"{name}: backend:cudaMallocAsync ignores {', '.join(ignored)} (native allocator options)",
-                                        f"remove {', '.join(ignored)} or the backend key from {name}"))
+                findings.append(
+                    EnvironmentFinding(
+                        "allocator",
+                        "warning",
+                        f"{name}: backend:cudaMallocAsync ignores {', '.join(ignored)} (native allocator options)",
+                        f"remove {', '.join(ignored)} or the backend key from {name}",
+                    )
+                )
     if len(settings) == 2 and settings[ALLOC_VARIABLES[0]] != settings[ALLOC_VARIABLES[1]]:
-        findings.append(EnvironmentFinding(
-            "allocator", "warning",
-            "PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF differ: which one a CUDA run applies depends on the torch version",
-            "keep one: unset PYTORCH_ALLOC_CONF  (PYTORCH_CUDA_ALLOC_CONF is read by every release)",
-        ))
+        findings.append(
+            EnvironmentFinding(
+                "allocator",
+                "warning",
+                "PYTORCH_CUDA_ALLOC_CONF and PYTORCH_ALLOC_CONF differ: which one a CUDA run applies depends on the torch version",
+                "keep one: unset PYTORCH_ALLOC_CONF  (PYTORCH_CUDA_ALLOC_CONF is read by every release)",
+            )
+        )
     release = version_tuple(torch_version)[:2]
     if list(settings) == ["PYTORCH_ALLOC_CONF"] and release and release < (2, 11):
-        findings.append(EnvironmentFinding(
-            "allocator", "warning",
-            f"only PYTORCH_ALLOC_CONF is set, and torch {torch_version} may ignore it for CUDA (releases before 2.9 do "
-            "not read it; 2.9 drops expandable_segments from it, pytorch#183387)",
-            f"export PYTORCH_CUDA_ALLOC_CONF={settings['PYTORCH_ALLOC_CONF']}",
-        ))
+        findings.append(
+            EnvironmentFinding(
+                "allocator",
+                "warning",
+                f"only PYTORCH_ALLOC_CONF is set, and torch {torch_version} may ignore it for CUDA (releases before 2.9 do "
+                "not read it; 2.9 drops expandable_segments from it, pytorch#183387)",
+                f"export PYTORCH_CUDA_ALLOC_CONF={settings['PYTORCH_ALLOC_CONF']}",
+            )
+        )
     effective = settings.get("PYTORCH_CUDA_ALLOC_CONF", settings.get("PYTORCH_ALLOC_CONF", ""))
     expandable_on = any(k == "expandable_segments" and v.lower() == "true" for k, v in parse_alloc_conf(effective)[0])
     if variable_shapes and not expandable_on:
         name = "PYTORCH_ALLOC_CONF" if release >= (2, 11) else "PYTORCH_CUDA_ALLOC_CONF"
-        value = ",".join(part for part in (_without(effective, "expandable_segments"), "expandable_segments:True") if part)
-        findings.append(EnvironmentFinding(
-            "allocator", "info",
-            "variable input shapes leave freed blocks of the wrong size in the cache (reserved but unusable memory); "
-            "expandable segments grow and reuse one segment instead",
-            f"export {name}={value}",
-        ))
+        value = ",".join(
+            part for part in (_without(effective, "expandable_segments"), "expandable_segments:True") if part
+        )
+        findings.append(
+            EnvironmentFinding(
+                "allocator",
+                "info",
+                "variable input shapes leave freed blocks of the wrong size in the cache (reserved but unusable memory); "
+                "expandable segments grow and reuse one segment instead",
+                f"export {name}={value}",
+            )
+        )
     if not settings:
-        findings.append(EnvironmentFinding("allocator", "info", "allocator settings: torch's defaults (no PYTORCH_*ALLOC_CONF set)"))
+        findings.append(
+            EnvironmentFinding("allocator", "info", "allocator settings: torch's defaults (no PYTORCH_*ALLOC_CONF set)")
+        )
     return findings
 
 
@@ -478,7 +634,11 @@ def _check_alloc_pair(name: str, key: str, value: str) -> list[EnvironmentFindin
         close = difflib.get_close_matches(key, sorted(ALLOC_CONF_KEYS), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         fix = f"replace {key} with {close[0]} in {name}" if close else f"remove {key} from {name}"
-        return [EnvironmentFinding("allocator", "warning", f"{name}: unknown key {key!r}{hint}; torch refuses to start with it", fix)]
+        return [
+            EnvironmentFinding(
+                "allocator", "warning", f"{name}: unknown key {key!r}{hint}; torch refuses to start with it", fix
+            )
+        ]
     problem = None
     if key == "expandable_segments" and value.lower() not in ("true", "false"):
         problem = "must be True or False"
@@ -511,33 +671,44 @@ def check_host(host: HostFacts, hints: TrainingHints) -> list[EnvironmentFinding
     """/dev/shm and host RAM against what DataLoader workers need."""
     findings = []
     need = dataloader_shm_need(hints)
-    ram = f"host RAM {_gib(host.ram_total)} total, {_gib(host.ram_available)} available; /dev/shm {_gib(host.shm_total)}"
+    ram = (
+        f"host RAM {_gib(host.ram_total)} total, {_gib(host.ram_available)} available; /dev/shm {_gib(host.shm_total)}"
+    )
     findings.append(EnvironmentFinding("host", "info", ram))
     suggested = max(8 * GiB, 2 * (need or 0))
     docker_fix = f"docker run --shm-size={-(-suggested // GiB)}g ...  (or --ipc=host)"
     if host.shm_total is not None:
         if need is not None and host.shm_total < need:
-            findings.append(EnvironmentFinding(
-                "shm", "warning",
-                f"/dev/shm holds {format_size(host.shm_total)}, but {hints.workers} DataLoader workers × prefetch "
-                f"{hints.prefetch_factor} × {format_size(hints.batch_bytes or 0)} batches need {format_size(need)} "
-                "(\"Bus error\" / \"No space left on device\" in a worker)",
-                f"{docker_fix}, or fewer workers: num_workers={max(0, host.shm_total // (hints.prefetch_factor * (hints.batch_bytes or 1)))}",
-            ))
+            findings.append(
+                EnvironmentFinding(
+                    "shm",
+                    "warning",
+                    f"/dev/shm holds {format_size(host.shm_total)}, but {hints.workers} DataLoader workers × prefetch "
+                    f"{hints.prefetch_factor} × {format_size(hints.batch_bytes or 0)} batches need {format_size(need)} "
+                    '("Bus error" / "No space left on device" in a worker)',
+                    f"{docker_fix}, or fewer workers: num_workers={max(0, host.shm_total // (hints.prefetch_factor * (hints.batch_bytes or 1)))}",
+                )
+            )
         elif need is None and host.shm_total < GiB:
-            findings.append(EnvironmentFinding(
-                "shm", "warning",
-                f"/dev/shm holds only {format_size(host.shm_total)} (Docker's default is 64 MiB): DataLoader workers "
-                "pass every batch through it and die with \"Bus error\"",
-                docker_fix,
-            ))
+            findings.append(
+                EnvironmentFinding(
+                    "shm",
+                    "warning",
+                    f"/dev/shm holds only {format_size(host.shm_total)} (Docker's default is 64 MiB): DataLoader workers "
+                    'pass every batch through it and die with "Bus error"',
+                    docker_fix,
+                )
+            )
     if need is not None and host.ram_available is not None and host.ram_available < need:
-        findings.append(EnvironmentFinding(
-            "host", "warning",
-            f"host RAM available ({format_size(host.ram_available)}) is less than the {format_size(need)} the "
-            "DataLoader's prefetched batches take",
-            "lower num_workers or prefetch_factor, or the batch size",
-        ))
+        findings.append(
+            EnvironmentFinding(
+                "host",
+                "warning",
+                f"host RAM available ({format_size(host.ram_available)}) is less than the {format_size(need)} the "
+                "DataLoader's prefetched batches take",
+                "lower num_workers or prefetch_factor, or the batch size",
+            )
+        )
     return findings
 
 
@@ -545,12 +716,15 @@ def check_cudnn_benchmark(benchmark: bool | None, variable_shapes: bool) -> list
     """cudnn.benchmark autotunes per input shape: with variable shapes it re-tunes (and allocates) constantly."""
     if not (benchmark and variable_shapes):
         return []
-    return [EnvironmentFinding(
-        "cudnn-benchmark", "warning",
-        "torch.backends.cudnn.benchmark is True with variable input shapes: every new shape re-runs the autotuner, "
-        "whose workspace trials can run out of memory and slow each step",
-        "torch.backends.cudnn.benchmark = False  (or pad inputs to a few fixed shapes)",
-    )]
+    return [
+        EnvironmentFinding(
+            "cudnn-benchmark",
+            "warning",
+            "torch.backends.cudnn.benchmark is True with variable input shapes: every new shape re-runs the autotuner, "
+            "whose workspace trials can run out of memory and slow each step",
+            "torch.backends.cudnn.benchmark = False  (or pad inputs to a few fixed shapes)",
+        )
+    ]
 
 
 # -- putting it together -----------------------------------------------------------------
@@ -583,7 +757,11 @@ def diagnose(probe: SystemProbe | None = None, hints: TrainingHints | None = Non
         *check_cudnn_benchmark(benchmark, hints.variable_shapes),
     ]
     facts = {
-        "nvidia": asdict(nvidia), "torch": asdict(torch), "python": {**asdict(python), "manager": python.manager},
-        "host": asdict(host), "environ": environ, "hints": asdict(hints),
+        "nvidia": asdict(nvidia),
+        "torch": asdict(torch),
+        "python": {**asdict(python), "manager": python.manager},
+        "host": asdict(host),
+        "environ": environ,
+        "hints": asdict(hints),
     }
     return Diagnosis(tuple(findings), facts)

@@ -29,9 +29,9 @@ from typing import Any
 
 from memfit._io import write_atomically
 from memfit.environment import system
+from memfit.environment.system import SystemProbe
 from memfit.environment.versions import format_cudnn_version, version_tuple
 from memfit.errors import MemfitError
-from memfit.environment.system import SystemProbe
 
 __all__ = [
     "SCHEMA",
@@ -105,15 +105,24 @@ class Fingerprint:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise MemfitError(f'{source} is not a memfit environment fingerprint (no "schema": "{SCHEMA}")')
         if not isinstance(data.get("schema_version"), int) or data["schema_version"] > SCHEMA_VERSION:
-            raise MemfitError(f"{source} has schema_version {data.get('schema_version')!r}; "
-                              f"this memfit reads up to {SCHEMA_VERSION}: upgrade memfit")
+            raise MemfitError(
+                f"{source} has schema_version {data.get('schema_version')!r}; "
+                f"this memfit reads up to {SCHEMA_VERSION}: upgrade memfit"
+            )
         try:
-            gpus = tuple(GpuFingerprint(str(g["name"]), int(g["memory"]), str(g["capability"]))
-                         for g in data.get("gpus", []))
+            gpus = tuple(
+                GpuFingerprint(str(g["name"]), int(g["memory"]), str(g["capability"])) for g in data.get("gpus", [])
+            )
             return cls(
-                python=str(data["python"]), os=str(data["os"]), os_release=data.get("os_release"),
-                torch=data.get("torch"), torch_cuda=data.get("torch_cuda"), cudnn=data.get("cudnn"),
-                driver=data.get("driver"), cuda_driver=data.get("cuda_driver"), gpus=gpus,
+                python=str(data["python"]),
+                os=str(data["os"]),
+                os_release=data.get("os_release"),
+                torch=data.get("torch"),
+                torch_cuda=data.get("torch_cuda"),
+                cudnn=data.get("cudnn"),
+                driver=data.get("driver"),
+                cuda_driver=data.get("cuda_driver"),
+                gpus=gpus,
             )
         except (KeyError, TypeError, ValueError) as error:
             raise MemfitError(f"{source} is a damaged memfit fingerprint: bad or missing {error}") from None
@@ -150,8 +159,10 @@ def fingerprint(probe: SystemProbe | None = None) -> Fingerprint:
         cudnn=format_cudnn_version(torch.cudnn) if torch.cudnn else None,
         driver=nvidia.driver_version,
         cuda_driver=f"{cuda_driver[0]}.{cuda_driver[1]}" if cuda_driver else None,
-        gpus=tuple(GpuFingerprint(gpu.name, gpu.total_memory, f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}")
-                   for gpu in nvidia.gpus),
+        gpus=tuple(
+            GpuFingerprint(gpu.name, gpu.total_memory, f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]}")
+            for gpu in nvidia.gpus
+        ),
     )
 
 
@@ -182,8 +193,9 @@ def compare(old: Fingerprint, new: Fingerprint) -> list[Difference]:
             a, b = getattr(before, name), getattr(after, name)
             if a != b:
                 matters = name != "memory"
-                differences.append(Difference(f"gpus[{index}].{name}", a, b, matters,
-                                              "another GPU model" if matters else ""))
+                differences.append(
+                    Difference(f"gpus[{index}].{name}", a, b, matters, "another GPU model" if matters else "")
+                )
     return differences
 
 
@@ -197,8 +209,10 @@ def load_fingerprint(path: str | os.PathLike[str]) -> Fingerprint:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise MemfitError(f"{path} is not valid JSON (line {error.lineno}, column {error.colno}); "
-                          "expected a file written by memfit env export") from None
+        raise MemfitError(
+            f"{path} is not valid JSON (line {error.lineno}, column {error.colno}); "
+            "expected a file written by memfit env export"
+        ) from None
     return Fingerprint.from_dict(data, source=str(path))
 
 
@@ -246,7 +260,9 @@ def requirement_line(dist: Distribution) -> str:
         vcs = url["vcs_info"]
         return f"{dist.name} @ {vcs.get('vcs', 'git')}+{url['url']}@{vcs.get('commit_id', '')}"
     if url.get("dir_info", {}).get("editable"):
-        return f"# {dist.name}=={dist.version} is installed editable from {url.get('url')}: pip install -e <that checkout>"
+        return (
+            f"# {dist.name}=={dist.version} is installed editable from {url.get('url')}: pip install -e <that checkout>"
+        )
     if url.get("url", "").startswith("file:"):
         return f"# {dist.name}=={dist.version} is installed from a local file {url['url']}"
     if url.get("url"):
@@ -276,9 +292,11 @@ def merge_conda_pip(conda_export: dict[str, Any], dists: Iterable[Distribution])
         else:
             conda_deps.append(str(dep))
     pip_lines = [line for line in requirement_lines(dists) if not line.startswith("#")]
-    pip_lines += [line for line in conda_pip
-                  if canonical_name(re.split(r"[=<>!~@ ;\[]", line, maxsplit=1)[0]) not in ours
-                  and not line.startswith("-")]
+    pip_lines += [
+        line
+        for line in conda_pip
+        if canonical_name(re.split(r"[=<>!~@ ;\[]", line, maxsplit=1)[0]) not in ours and not line.startswith("-")
+    ]
     if pip_lines and not any(re.match(r"^pip([=<> ]|$)", dep) for dep in conda_deps):
         conda_deps.append("pip")
     document: dict[str, Any] = {"name": conda_export.get("name") or "memfit-env"}
@@ -288,8 +306,9 @@ def merge_conda_pip(conda_export: dict[str, Any], dists: Iterable[Distribution])
     return document
 
 
-def environment_document(name: str, python_version: str, dists: Iterable[Distribution],
-                         conda_export: dict[str, Any] | None = None) -> dict[str, Any]:
+def environment_document(
+    name: str, python_version: str, dists: Iterable[Distribution], conda_export: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """environment.yml's content: conda's export merged with pip, or Python plus a pip section."""
     if conda_export is not None:
         return merge_conda_pip(conda_export, dists)
@@ -353,12 +372,17 @@ class Export:
     packages: int = field(default=0)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"paths": [str(p) for p in self.paths], "conda": self.conda, "packages": self.packages,
-                "fingerprint": self.fingerprint.to_dict()}
+        return {
+            "paths": [str(p) for p in self.paths],
+            "conda": self.conda,
+            "packages": self.packages,
+            "fingerprint": self.fingerprint.to_dict(),
+        }
 
 
-def export_environment(directory: str | os.PathLike[str] = ".", probe: SystemProbe | None = None,
-                       dists: list[Distribution] | None = None) -> Export:
+def export_environment(
+    directory: str | os.PathLike[str] = ".", probe: SystemProbe | None = None, dists: list[Distribution] | None = None
+) -> Export:
     """Write environment.yml, requirements.lock.txt and environment.json into ``directory``.
 
     All three are built before any is written, and each is written atomically.
@@ -372,8 +396,10 @@ def export_environment(directory: str | os.PathLike[str] = ".", probe: SystemPro
     conda_export = probe.conda_export()
     name = python.conda_env or _env_name(python.prefix)
     print_ = fingerprint(probe)
-    header = (f"# written by memfit env export: Python {python.version}, torch {print_.torch}"
-              f"{f' (CUDA {print_.torch_cuda})' if print_.torch_cuda else ''}\n")
+    header = (
+        f"# written by memfit env export: Python {python.version}, torch {print_.torch}"
+        f"{f' (CUDA {print_.torch_cuda})' if print_.torch_cuda else ''}\n"
+    )
     texts = {
         "environment.yml": header + to_yaml(environment_document(name, python.version, dists, conda_export)),
         "requirements.lock.txt": header + "\n".join(requirement_lines(dists)) + "\n",

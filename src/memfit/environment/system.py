@@ -126,7 +126,7 @@ class PythonFacts:
 
     @property
     def manager(self) -> str:
-        """"conda", "venv" or "system": what recreates this environment."""
+        """ "conda", "venv" or "system": what recreates this environment."""
         if self.prefix != self.base_prefix:
             return "venv"
         if self.conda_prefix and os.path.realpath(self.conda_prefix) == os.path.realpath(self.prefix):
@@ -200,12 +200,18 @@ def parse_smi_gpus(csv: str) -> list[dict[str, Any]]:
         if len(parts) < 8:
             continue
         major, _, minor = parts[7].partition(".")
-        rows.append({
-            "index": int(parts[0]), "name": parts[1], "uuid": parts[2], "pci_bus_id": parts[3],
-            "total_memory": int(float(parts[4])) * 2**20, "used_memory": int(float(parts[5])) * 2**20,
-            "free_memory": int(float(parts[6])) * 2**20,
-            "compute_capability": (int(major), int(minor or 0)) if major.isdigit() else (0, 0),
-        })
+        rows.append(
+            {
+                "index": int(parts[0]),
+                "name": parts[1],
+                "uuid": parts[2],
+                "pci_bus_id": parts[3],
+                "total_memory": int(float(parts[4])) * 2**20,
+                "used_memory": int(float(parts[5])) * 2**20,
+                "free_memory": int(float(parts[6])) * 2**20,
+                "compute_capability": (int(major), int(minor or 0)) if major.isdigit() else (0, 0),
+            }
+        )
     return rows
 
 
@@ -264,7 +270,7 @@ class LiveProbe(SystemProbe):
     def nvidia(self) -> NvidiaFacts:
         try:
             return self._nvml()
-        except Exception as error:  # any NVML failure: fall back, keep its message
+        except Exception as error:  # noqa: BLE001 - any NVML failure: fall back, keep its message
             nvml_error = f"NVML: {_nvml_message(error)}"
         smi = shutil.which("nvidia-smi")
         if smi is None:
@@ -285,17 +291,19 @@ class LiveProbe(SystemProbe):
             for index in range(pynvml.nvmlDeviceGetCount()):
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
                 memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                gpus.append(GpuInfo(
-                    index=index,
-                    name=_text(pynvml.nvmlDeviceGetName(handle)),
-                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                    pci_bus_id=_text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
-                    total_memory=int(memory.total),
-                    used_memory=int(memory.used),
-                    free_memory=int(memory.free),
-                    compute_capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)),  # type: ignore[arg-type]
-                    processes=_nvml_processes(pynvml, handle),
-                ))
+                gpus.append(
+                    GpuInfo(
+                        index=index,
+                        name=_text(pynvml.nvmlDeviceGetName(handle)),
+                        uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+                        pci_bus_id=_text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
+                        total_memory=int(memory.total),
+                        used_memory=int(memory.used),
+                        free_memory=int(memory.free),
+                        compute_capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)),  # type: ignore[arg-type]
+                        processes=_nvml_processes(pynvml, handle),
+                    )
+                )
             return NvidiaFacts("nvml", driver, cuda, tuple(gpus))
         finally:
             pynvml.nvmlShutdown()
@@ -303,16 +311,18 @@ class LiveProbe(SystemProbe):
     def _smi(self, smi: str) -> NvidiaFacts:
         query = "index,name,uuid,pci.bus_id,memory.total,memory.used,memory.free,compute_cap"
         gpus_csv = _run([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"])
-        apps_csv = _run([smi, "--query-compute-apps=gpu_uuid,pid,process_name,used_memory",
-                         "--format=csv,noheader,nounits"])
+        apps_csv = _run(
+            [smi, "--query-compute-apps=gpu_uuid,pid,process_name,used_memory", "--format=csv,noheader,nounits"]
+        )
         driver = _run([smi, "--query-gpu=driver_version", "--format=csv,noheader"]).strip().splitlines()
         processes = parse_smi_processes(apps_csv)
         gpus = tuple(
             GpuInfo(**row, processes=tuple(p for uuid, p in processes if uuid == row["uuid"]))
             for row in parse_smi_gpus(gpus_csv)
         )
-        return NvidiaFacts("nvidia-smi", driver[0].strip() if driver else None,
-                           parse_smi_cuda_version(_run([smi])), gpus)
+        return NvidiaFacts(
+            "nvidia-smi", driver[0].strip() if driver else None, parse_smi_cuda_version(_run([smi])), gpus
+        )
 
     def torch(self) -> TorchFacts:
         """Asked once per probe: importing torch in a child costs seconds."""
@@ -324,7 +334,10 @@ class LiveProbe(SystemProbe):
         try:
             completed = subprocess.run(
                 [self.python_executable, "-c", _TORCH_CHILD],
-                capture_output=True, text=True, timeout=_CHILD_TIMEOUT_S, env=dict(os.environ),
+                capture_output=True,
+                text=True,
+                timeout=_CHILD_TIMEOUT_S,
+                env=dict(os.environ),
             )
         except (OSError, subprocess.SubprocessError) as error:
             return TorchFacts(error=f"could not run {self.python_executable}: {error}")
@@ -332,10 +345,15 @@ class LiveProbe(SystemProbe):
             if line.startswith("MEMFIT-TORCH-FACTS "):
                 data = json.loads(line.split(" ", 1)[1])
                 return TorchFacts(
-                    version=data.get("version"), cuda=data.get("cuda"), hip=data.get("hip"),
-                    cudnn=data.get("cudnn"), arch_list=tuple(data.get("arch_list", ())),
-                    cuda_available=bool(data.get("cuda_available")), device_count=int(data.get("device_count", 0)),
-                    warnings=tuple(data.get("warnings", ())), error=data.get("error"),
+                    version=data.get("version"),
+                    cuda=data.get("cuda"),
+                    hip=data.get("hip"),
+                    cudnn=data.get("cudnn"),
+                    arch_list=tuple(data.get("arch_list", ())),
+                    cuda_available=bool(data.get("cuda_available")),
+                    device_count=int(data.get("device_count", 0)),
+                    warnings=tuple(data.get("warnings", ())),
+                    error=data.get("error"),
                 )
         last = (completed.stderr.strip().splitlines() or ["no output"])[-1]
         return TorchFacts(error=f"importing torch failed: {last}")
@@ -357,8 +375,16 @@ class LiveProbe(SystemProbe):
         if os.path.isdir("/dev/shm"):
             stat = os.statvfs("/dev/shm")
             shm_total, shm_free = stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
-        return HostFacts(platform.system(), platform.release(), platform.machine(),
-                         os.cpu_count() or 1, total, available, shm_total, shm_free)
+        return HostFacts(
+            platform.system(),
+            platform.release(),
+            platform.machine(),
+            os.cpu_count() or 1,
+            total,
+            available,
+            shm_total,
+            shm_free,
+        )
 
     def environ(self) -> dict[str, str]:
         return {name: os.environ[name] for name in RELEVANT_ENVIRONMENT if name in os.environ}
@@ -468,4 +494,3 @@ class RecordedProbe(SystemProbe):
 def current_probe() -> SystemProbe:
     """The probe the commands use: the live machine (tests replace this one function)."""
     return LiveProbe()
-

@@ -56,33 +56,73 @@ LATEST_RELEASE = ".".join(map(str, max(TORCH_CUDA_BUILDS)))
 
 #: the oldest Linux driver of each CUDA release (NVIDIA's CUDA toolkit release notes)
 MIN_LINUX_DRIVER: dict[tuple[int, int], str] = {
-    (11, 6): "510.39.01", (11, 7): "515.43.04", (11, 8): "520.61.05", (12, 0): "525.60.13",
-    (12, 1): "530.30.02", (12, 2): "535.54.03", (12, 3): "545.23.06", (12, 4): "550.54.14",
-    (12, 5): "555.42.02", (12, 6): "560.28.03", (12, 8): "570.26", (12, 9): "575.51.03",
-    (13, 0): "580.65.06", (13, 2): "590.44.01",
+    (11, 6): "510.39.01",
+    (11, 7): "515.43.04",
+    (11, 8): "520.61.05",
+    (12, 0): "525.60.13",
+    (12, 1): "530.30.02",
+    (12, 2): "535.54.03",
+    (12, 3): "545.23.06",
+    (12, 4): "550.54.14",
+    (12, 5): "555.42.02",
+    (12, 6): "560.28.03",
+    (12, 8): "570.26",
+    (12, 9): "575.51.03",
+    (13, 0): "580.65.06",
+    (13, 2): "590.44.01",
 }
 
 #: the first CUDA release that compiles for each GPU architecture (sm_XY as XY)
 ARCH_MIN_CUDA: dict[int, tuple[int, int]] = {
-    80: (11, 0), 86: (11, 1), 87: (11, 4), 89: (11, 8), 90: (11, 8),
-    100: (12, 8), 101: (12, 8), 120: (12, 8), 103: (12, 9), 121: (12, 9), 110: (13, 0),
+    80: (11, 0),
+    86: (11, 1),
+    87: (11, 4),
+    89: (11, 8),
+    90: (11, 8),
+    100: (12, 8),
+    101: (12, 8),
+    120: (12, 8),
+    103: (12, 9),
+    121: (12, 9),
+    110: (13, 0),
 }
 
 #: keys PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF accept (c10 AllocatorConfig, CUDAAllocatorConfig)
-ALLOC_CONF_KEYS = frozenset({
-    "backend", "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-    "roundup_power2_divisions", "expandable_segments", "large_segment_size_mb",
-    "release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
-    "pinned_use_hip_host_register", "pinned_use_host_register", "pinned_num_register_threads",
-    "pinned_use_background_threads", "pinned_max_round_threshold", "pinned_max_cached_size",
-    "pinned_reserve_segment_size_mb", "pinned_free_catch_all", "graph_capture_record_stream_reuse",
-    "per_process_memory_fraction", "throw_on_cudamalloc_oom",
-})
+ALLOC_CONF_KEYS = frozenset(
+    {
+        "backend",
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "garbage_collection_threshold",
+        "roundup_power2_divisions",
+        "expandable_segments",
+        "large_segment_size_mb",
+        "release_lock_on_cudamalloc",
+        "release_lock_on_hipmalloc",
+        "pinned_use_cuda_host_register",
+        "pinned_use_hip_host_register",
+        "pinned_use_host_register",
+        "pinned_num_register_threads",
+        "pinned_use_background_threads",
+        "pinned_max_round_threshold",
+        "pinned_max_cached_size",
+        "pinned_reserve_segment_size_mb",
+        "pinned_free_catch_all",
+        "graph_capture_record_stream_reuse",
+        "per_process_memory_fraction",
+        "throw_on_cudamalloc_oom",
+    }
+)
 #: keys the native caching allocator reads and backend:cudaMallocAsync ignores
-NATIVE_ONLY_KEYS = frozenset({
-    "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold",
-    "roundup_power2_divisions", "expandable_segments",
-})
+NATIVE_ONLY_KEYS = frozenset(
+    {
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "garbage_collection_threshold",
+        "roundup_power2_divisions",
+        "expandable_segments",
+    }
+)
 
 
 def version_tuple(text: str | None) -> tuple[int, ...]:

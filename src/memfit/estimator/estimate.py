@@ -40,14 +40,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from memfit._html import HtmlRepr
-from memfit.estimator import sharding
-from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
 from memfit.batch_search import Outcome, SearchSpace, answer, run_search
 from memfit.errors import MemfitError
-from memfit.memory.allocator import CachingAllocatorModel
-from memfit.memory.devices import Device, SimDevice, device as make_device
+from memfit.estimator import sharding
+from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
 from memfit.estimator.fake import run_fake_steps
-from memfit.memory.gpus import GPU, fixed_costs as gpu_fixed_costs, lookup
+from memfit.memory.allocator import CachingAllocatorModel
+from memfit.memory.devices import Device, SimDevice
+from memfit.memory.devices import device as make_device
+from memfit.memory.gpus import GPU, lookup
+from memfit.memory.gpus import fixed_costs as gpu_fixed_costs
 from memfit.run.settings import Settings
 from memfit.units import format_size, parse_size
 from memfit.workload import Workload, load_workload
@@ -134,7 +136,6 @@ class Estimate(HtmlRepr):
     max_batch_size: int | None
     world_size: int = 1
     shard: str = "none"
-
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

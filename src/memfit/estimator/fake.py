@@ -115,7 +115,7 @@ class _FakeStepTracker(StorageTracker):
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
             return func(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - re-raised unless fake tensors cannot run it
+        except Exception as error:
             if not is_fake_limit(error):
                 raise
             labels = current_labels()
@@ -142,9 +142,9 @@ class _FakeDevice(SimDevice):
         return "fake tensors (CUDA allocator model, no limit)"
 
 
-def _with_foreach(make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]) -> Callable[
-    [Iterable[nn.Parameter]], torch.optim.Optimizer
-]:
+def _with_foreach(
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
     """Make the optimizer use its foreach implementation unless the user chose one.
 
     Why: on CUDA, PyTorch's optimizers default to foreach (whole-list kernels whose
@@ -197,7 +197,7 @@ def run_fake_steps(
         with mode:
             fake = _fake_workload(workload, mode, foreach)
             run_steps(fake, settings, device, steps=steps, label_modules=True)
-    except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM
+    except Exception as error:
         if not is_oom(error):
             raise
         fits = False

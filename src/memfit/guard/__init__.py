@@ -11,7 +11,7 @@
 from memfit.guard.gradients import add_gradients, set_aside_gradients
 from memfit.guard.guard import Guard
 from memfit.guard.policy import SplitPolicy
-from memfit.guard.splitter import GuardError, OOMEvent, Splitter, SplitResult
+from memfit.guard.splitter import GuardError, OOMEvent, SplitResult, Splitter
 
 __all__ = [
     "Guard",

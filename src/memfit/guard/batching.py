@@ -234,7 +234,7 @@ def _same(a: Any, b: Any) -> bool:
     """True when two output values are equal; False when they cannot be compared (arrays)."""
     try:
         return type(a) is type(b) and bool(a == b)
-    except Exception:  # an ambiguous truth value is not "equal"
+    except Exception:  # noqa: BLE001 - an ambiguous truth value is not "equal"
         return False
 
 

@@ -22,7 +22,7 @@ from memfit.guard.gradients import (
     reset_scaler_step_state,
     tensor_bytes,
 )
-from memfit.guard.splitter import GuardError, OOMEvent, SplitFn, Splitter, SplitResult, WeightFn
+from memfit.guard.splitter import GuardError, OOMEvent, SplitFn, SplitResult, Splitter, WeightFn
 from memfit.memory.devices import Device
 from memfit.memory.oom import is_oom
 from memfit.units import format_size
@@ -130,7 +130,7 @@ class Guard:
                 self.scaler.update()
             else:
                 self.optimizer.step()
-        except BaseException as error:  # noqa: BLE001 - every non-OOM is re-raised as is
+        except BaseException as error:
             if not is_oom(error):
                 raise
             failed = True

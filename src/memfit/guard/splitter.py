@@ -34,7 +34,6 @@ Three layers, each usable alone:
 (None, 1, [])
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +51,13 @@ from torch import nn
 from memfit import distributed
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, split_batch
-from memfit.guard.gradients import add_gradients, drop_gradients, optimizer_state_tensors, set_aside_gradients, tensor_bytes
+from memfit.guard.gradients import (
+    add_gradients,
+    drop_gradients,
+    optimizer_state_tensors,
+    set_aside_gradients,
+    tensor_bytes,
+)
 from memfit.guard.policy import SplitPolicy
 from memfit.memory.devices import Device
 from memfit.memory.oom import is_oom, release_cached_memory
@@ -93,11 +98,17 @@ class OOMEvent:
 
     def describe(self) -> str:
         """One line for a log."""
-        place = self.where if self.micro_batch_index is None else f"{self.where} of micro-batch {self.micro_batch_index}"
+        place = (
+            self.where if self.micro_batch_index is None else f"{self.where} of micro-batch {self.micro_batch_index}"
+        )
         memory = ""
         if self.allocated is not None and self.reserved is not None:
             memory = f" ({format_size(self.allocated)} allocated, {format_size(self.reserved)} reserved)"
-        after = "gave up" if self.micro_batch_after is None else f"micro-batch {self.micro_batch_before} -> {self.micro_batch_after}"
+        after = (
+            "gave up"
+            if self.micro_batch_after is None
+            else f"micro-batch {self.micro_batch_before} -> {self.micro_batch_after}"
+        )
         return f"memfit guard: out of memory at step {self.step} in {place} on rank {self.rank}{memory}; {after}"
 
 
@@ -296,7 +307,11 @@ class Splitter:
             attempts=attempts,
         )
         if self.policy.finish_step(samples, had_oom) and self.logger is not None:
-            self.logger.info("memfit guard: %d clean steps; trying micro-batch %s", self.policy.grow_after, self.policy.limit or samples)
+            self.logger.info(
+                "memfit guard: %d clean steps; trying micro-batch %s",
+                self.policy.grow_after,
+                self.policy.limit or samples,
+            )
         self.steps += 1
         return self.last
 
@@ -312,7 +327,7 @@ class Splitter:
             share = self._share(micro, count, samples, total_weight)
             try:
                 loss = forward_backward(micro, share)
-            except BaseException as error:  # noqa: BLE001 - every non-OOM is re-raised as is
+            except BaseException as error:
                 if not is_oom(error):
                     raise
                 attempt.failure = self._failure(index, error)
@@ -325,7 +340,11 @@ class Splitter:
         return attempt
 
     def _recover(
-        self, verdict: _Verdict, failure: _Failure | None, params: list[nn.Parameter], kept: list[torch.Tensor | None] | None
+        self,
+        verdict: _Verdict,
+        failure: _Failure | None,
+        params: list[nn.Parameter],
+        kept: list[torch.Tensor | None] | None,
     ) -> None:
         """After an OOM anywhere: free this attempt, give up at size 1, else halve."""
         failed_size = verdict.failed_size
@@ -399,7 +418,7 @@ class Splitter:
                 for index, micro in enumerate(self._split(batch, samples, size)):
                     try:
                         outputs.append(fn(micro))
-                    except BaseException as error:  # noqa: BLE001 - every non-OOM is re-raised as is
+                    except BaseException as error:
                         if not is_oom(error):
                             raise
                         failure = self._failure(index, error)

@@ -30,8 +30,7 @@ def split_target(target: int, world_size: int, fits: int) -> tuple[int, int]:
             raise MemfitError(f"invalid {name} {value!r}: must be a positive integer")
     if target % world_size:
         raise MemfitError(
-            f"target batch size {target} is not divisible by the {world_size} ranks: "
-            f"choose a multiple of {world_size}"
+            f"target batch size {target} is not divisible by the {world_size} ranks: choose a multiple of {world_size}"
         )
     per_rank = target // world_size
     for accumulation in range(1, per_rank + 1):

@@ -51,9 +51,11 @@ from memfit import distributed
 from memfit.errors import MemfitError
 from memfit.guard import Splitter, add_gradients, set_aside_gradients
 from memfit.integrations.effective_batch import split_target
-from memfit.memory.devices import CudaDevice, Device, device as make_device
+from memfit.memory.devices import CudaDevice, Device
+from memfit.memory.devices import device as make_device
 from memfit.monitor.monitor import Monitor
-from memfit.search.probe import ProbeResult, probe as run_probe
+from memfit.search.probe import ProbeResult
+from memfit.search.probe import probe as run_probe
 from memfit.workload import Workload
 
 __all__ = [
@@ -235,7 +237,9 @@ class MemfitCallback(pl.Callback):
             self.memory.__enter__()
             self._monitoring = True
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         ddp = _ddp_model(trainer) if self.guard else None
         if ddp is not None:
             # DDP's gradient hooks would all-reduce inside backward, per micro-batch, and
@@ -283,7 +287,9 @@ class MemfitCallback(pl.Callback):
             return CudaDevice(pl_module.device.index or 0)
         return None
 
-    def _probe_and_set_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, training_step: Callable[..., Any]) -> None:
+    def _probe_and_set_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, training_step: Callable[..., Any]
+    ) -> None:
         if self._device is None:
             raise MemfitError(
                 "MemfitCallback(probe=True) needs a device to probe: train on a GPU, or pass device='sim:SIZE'"
@@ -326,7 +332,9 @@ class MemfitCallback(pl.Callback):
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
             )
 
-    def _install_guard(self, trainer: pl.Trainer, pl_module: pl.LightningModule, training_step: Callable[..., Any]) -> None:
+    def _install_guard(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, training_step: Callable[..., Any]
+    ) -> None:
         if not pl_module.automatic_optimization:
             raise MemfitError(
                 "MemfitCallback(guard=True) wraps automatic optimization; with manual optimization "

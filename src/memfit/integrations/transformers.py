@@ -43,7 +43,8 @@ from torch import nn
 
 from memfit import distributed
 from memfit.guard import OOMEvent, Splitter
-from memfit.memory.devices import CudaDevice, Device, device as make_device
+from memfit.memory.devices import CudaDevice, Device
+from memfit.memory.devices import device as make_device
 from memfit.monitor.monitor import Monitor
 
 __all__ = ["MemfitTrainer", "MemoryCallback", "MemfitCallback", "micro_batch_factor", "MEMORY_METRICS"]
@@ -104,7 +105,12 @@ class MemoryCallback(transformers.TrainerCallback):
             self.monitor.step(phase="train", global_step=state.global_step)
 
     def on_log(
-        self, args: transformers.TrainingArguments, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        args: transformers.TrainingArguments,
+        state: Any,
+        control: Any,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         # Callbacks run in order and share ``logs``: put this callback before the
         # reporting ones (MemfitTrainer does) so they see the memory too.
@@ -183,8 +189,12 @@ class MemfitTrainer(transformers.Trainer):
             self.memory_callback.add_memory(logs)
         super().log(logs, start_time)
 
-    def compute_loss(self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    def compute_loss(
+        self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         factor = self._memfit_factor
         if factor == 1.0:
             return result

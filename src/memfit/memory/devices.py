@@ -66,12 +66,15 @@ class Device(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued work (so a step's time is its real duration)."""
+        return None
 
     def empty_cache(self) -> None:
         """Return cached, unused memory to the device."""
+        return None
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors made before the device was entered (the real GPU already does)."""
+        return None
 
     def supports(self, precision: str) -> bool:
         """True when training in ``precision`` works on this device."""
@@ -194,9 +197,7 @@ class CudaDevice(Device):
         self.torch_device = torch.device("cuda", index)
         total = torch.cuda.get_device_properties(index).total_memory
         if memory is not None and memory > total:
-            raise DeviceError(
-                f"--memory {format_size(memory)} is more than {self.spec} has ({format_size(total)})"
-            )
+            raise DeviceError(f"--memory {format_size(memory)} is more than {self.spec} has ({format_size(total)})")
         self.capacity = memory or total
         if memory is not None:
             # The caching allocator then fails like a card of this size would.

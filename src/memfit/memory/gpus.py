@@ -39,6 +39,7 @@ from memfit.units import MiB
 
 __all__ = ["GPU", "GPUS", "lookup", "normalize_name", "fixed_costs", "CONTEXT_BY_FAMILY", "cublas_workspace"]
 
+
 @dataclass(frozen=True)
 class GPU:
     """One GPU model. Bytes are ints."""

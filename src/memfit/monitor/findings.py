@@ -24,12 +24,12 @@ Each kind of finding is reported at most once per run:
 
 from __future__ import annotations
 
+import html
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import html
 
 from memfit._html import html_table, inline_code, to_html
 from memfit.units import MiB, format_size
@@ -166,7 +166,7 @@ def rising_fraction(values: Sequence[int]) -> float:
     """Share of consecutive changes in ``values`` that are increases (0.0 for fewer than two)."""
     if len(values) < 2:
         return 0.0
-    rises = sum(1 for before, after in zip(values, values[1:]) if after > before)
+    rises = sum(1 for before, after in itertools.pairwise(values) if after > before)
     return rises / (len(values) - 1)
 
 
@@ -179,7 +179,7 @@ def keeps_growing(values: Sequence[int]) -> bool:
     """
     if len(values) < 2 or values[-1] <= values[0]:
         return False
-    rises = sum(after - before for before, after in zip(values, values[1:]) if after > before)
+    rises = sum(after - before for before, after in itertools.pairwise(values) if after > before)
     net = values[-1] - values[0]
     return rising_fraction(values) >= LEAK_RISING_FRACTION and net >= (1 - LEAK_GIVE_BACK) * rises
 
@@ -213,7 +213,7 @@ def steps_per_record(records: Sequence[Mapping[str, Any]]) -> int:
     """How many steps one record stands for: the median gap between recorded steps (``every``)."""
     gaps = sorted(
         int(after["step"]) - int(before["step"])
-        for before, after in zip(records, records[1:])
+        for before, after in itertools.pairwise(records)
         if int(after["step"]) > int(before["step"])
     )
     return gaps[len(gaps) // 2] if gaps else 1
@@ -231,7 +231,7 @@ def growth_by_phase(
     added: dict[Any, int] = {}
     counted: dict[Any, int] = {}
     span = [r for r in records if first_step <= int(r["step"]) <= last_step and "allocated" in r]
-    for before, after in zip(span, span[1:]):
+    for before, after in itertools.pairwise(span):
         if shape_key(before.get("labels") or {}) != shape_key(after.get("labels") or {}):
             continue
         phase = (after.get("labels") or {}).get("phase")
@@ -258,13 +258,16 @@ def find_leak(records: Sequence[Mapping[str, Any]], *, window: int = DEFAULT_WIN
     every = steps_per_record(records)
     by_phase = growth_by_phase(records, int(first["step"]), int(last["step"]), every)
     phase, per_step = max(by_phase.items(), key=lambda item: item[1]) if by_phase else (None, 0.0)
-    growth = int(round(per_step))
+    growth = round(per_step)
     phases = [p for p in by_phase if p is not None]
     step_name = f"{phase!r} step" if phase is not None and len(phases) > 1 else "step"
     shape_text = ", ".join(f"{name}={list(dims)}" for name, dims in shapes) or "no shape labels"
-    others = "; steps of other phases added " + ", ".join(
-        f"{format_size(int(round(value)))} ({p!r})" for p, value in by_phase.items() if p != phase
-    ) if len(by_phase) > 1 else ""
+    others = (
+        "; steps of other phases added "
+        + ", ".join(f"{format_size(round(value))} ({p!r})" for p, value in by_phase.items() if p != phase)
+        if len(by_phase) > 1
+        else ""
+    )
     evidence = {
         "growth_bytes_per_step": growth,
         "phase": phase,
@@ -402,8 +405,7 @@ def find_fragmentation(records: Sequence[Mapping[str, Any]], *, capacity: int | 
         causes=(
             "tensors of many different sizes (variable sequence lengths, varying batch shapes) "
             "leave cached blocks that are too small for the next request",
-            "long-lived tensors allocated between short-lived ones pin segments that can then "
-            "never be returned",
+            "long-lived tensors allocated between short-lived ones pin segments that can then never be returned",
         ),
         advice=(
             f"set {EXPANDABLE_SEGMENTS} in the environment of the training process before CUDA "
@@ -435,12 +437,7 @@ def find_shape_peak(records: Sequence[Mapping[str, Any]]) -> MemoryFinding | Non
         peak = int(record["peak_allocated"])
         key = shape_key(record.get("labels") or {})
         size = shape_size(key)
-        if (
-            highest_peak is not None
-            and key
-            and size > largest_shape
-            and peak > highest_peak * (1 + NEW_PEAK_MARGIN)
-        ):
+        if highest_peak is not None and key and size > largest_shape and peak > highest_peak * (1 + NEW_PEAK_MARGIN):
             events.append(
                 {
                     "step": int(record["step"]),
@@ -466,7 +463,9 @@ def find_shape_peak(records: Sequence[Mapping[str, Any]]) -> MemoryFinding | Non
         first_step=first["step"],
         last_step=last["step"],
         evidence={"events": events, "peak_bytes": last["peak_bytes"], "shape": last["shape"]},
-        causes=("inputs of varying size (sequence length, image size, number of objects): the largest one sets the peak",),
+        causes=(
+            "inputs of varying size (sequence length, image size, number of objects): the largest one sets the peak",
+        ),
         advice=(
             "size the batch with worst-case shapes: a workload's make_batch should return the "
             "longest sequence (`memfit probe` and `memfit estimate` then find what fits)",

@@ -42,7 +42,8 @@ from memfit._plot import png_data_uri
 from memfit._version import __version__
 from memfit.distributed import rank
 from memfit.errors import MemfitError
-from memfit.memory.devices import CudaDevice, Device, device as make_device
+from memfit.memory.devices import CudaDevice, Device
+from memfit.memory.devices import device as make_device
 from memfit.memory.oom import is_oom
 from memfit.monitor.findings import DEFAULT_WINDOW, MemoryFinding, analyze_steps, findings_html
 from memfit.monitor.runfile import FORMAT_VERSION, RecordedRun, summarize

@@ -94,8 +94,10 @@ def read_run(path: str | os.PathLike[str]) -> RecordedRun:
                 raise MemfitError(f"{source}: not a memfit monitor run (the first line is not its header)")
             header = item
             continue
-        if item.get("kind") != "step" or not isinstance(item.get("step"), int) or not isinstance(
-            item.get("allocated"), int
+        if (
+            item.get("kind") != "step"
+            or not isinstance(item.get("step"), int)
+            or not isinstance(item.get("allocated"), int)
         ):
             raise MemfitError(f"{source}:{number}: not a memfit monitor step record")
         records.append(item)

@@ -16,7 +16,9 @@ from memfit.units import format_size
 __all__ = ["timeline_png"]
 
 
-def timeline_png(header: Mapping[str, Any], records: Sequence[Mapping[str, Any]], findings: Sequence[MemoryFinding] = ()) -> bytes:
+def timeline_png(
+    header: Mapping[str, Any], records: Sequence[Mapping[str, Any]], findings: Sequence[MemoryFinding] = ()
+) -> bytes:
     """Allocated, reserved and peak memory per step, OOMs marked, the capacity as a line.
 
     Findings are drawn where they happened: a leak's steps shaded, a new-shape peak marked.
@@ -48,10 +50,20 @@ def timeline_png(header: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
     for name, values in series.items():
         axes.plot(steps, [v / size for v in values], label=name, marker=marker, markersize=3, **styles[name])
     if show_capacity:
-        axes.axhline(capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}")
+        axes.axhline(
+            capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}"
+        )
     elif isinstance(capacity, int):
-        axes.text(0.99, 0.02, f"capacity {format_size(capacity)} (off the chart)", ha="right", va="bottom",
-                  transform=axes.transAxes, fontsize=8, color="#59636e")
+        axes.text(
+            0.99,
+            0.02,
+            f"capacity {format_size(capacity)} (off the chart)",
+            ha="right",
+            va="bottom",
+            transform=axes.transAxes,
+            fontsize=8,
+            color="#59636e",
+        )
     ooms, previous = [], 0
     for record in records:
         count = int(record.get("num_ooms", 0))
@@ -59,8 +71,15 @@ def timeline_png(header: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
             ooms.append(record)
         previous = count
     if ooms:
-        axes.scatter([int(r["step"]) for r in ooms], [int(r.get("peak_reserved", r.get("reserved", 0))) / size for r in ooms],
-                     marker="X", s=90, color="#cf222e", zorder=5, label="out of memory")
+        axes.scatter(
+            [int(r["step"]) for r in ooms],
+            [int(r.get("peak_reserved", r.get("reserved", 0))) / size for r in ooms],
+            marker="X",
+            s=90,
+            color="#cf222e",
+            zorder=5,
+            label="out of memory",
+        )
     for finding in findings:
         if finding.kind == "leak":
             axes.axvspan(finding.first_step, finding.last_step, color="#cf222e", alpha=0.08, label=finding.title)
@@ -68,8 +87,13 @@ def timeline_png(header: Mapping[str, Any], records: Sequence[Mapping[str, Any]]
             axes.axvspan(finding.first_step, finding.last_step, color="#8250df", alpha=0.07, label=finding.title)
         elif finding.kind == "shape_peak":
             for index, event in enumerate(finding.evidence.get("events", [])):
-                axes.axvline(event["step"], color="#9a6700", linestyle=":", linewidth=1.2,
-                             label="new largest input shape" if index == 0 else None)
+                axes.axvline(
+                    event["step"],
+                    color="#9a6700",
+                    linestyle=":",
+                    linewidth=1.2,
+                    label="new largest input shape" if index == 0 else None,
+                )
     axes.set_xlabel("step (one per monitor.step() call)")
     axes.set_ylabel(unit)
     axes.set_ylim(bottom=0)

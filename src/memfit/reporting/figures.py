@@ -28,28 +28,57 @@ def probe_png(probe: Mapping[str, Any]) -> bytes | None:
     for key, color in (("peak_allocated", "#0969da"), ("peak_reserved", "#8250df")):
         points = [(t["batch_size"], t[key]) for t in fitting if isinstance(t.get(key), int)]
         if points:
-            axes.plot([p[0] for p in points], [p[1] / size for p in points], marker="o", color=color,
-                      label=key.replace("_", " "))
+            axes.plot(
+                [p[0] for p in points],
+                [p[1] / size for p in points],
+                marker="o",
+                color=color,
+                label=key.replace("_", " "),
+            )
     failed = [t for t in trials if t.get("fits") is False]
     if failed:
-        axes.scatter([t["batch_size"] for t in failed],
-                     [(capacity or int(t.get("peak_reserved") or t.get("peak_allocated") or 0)) / size for t in failed],
-                     marker="X", s=90, color="#cf222e", zorder=5, label="out of memory")
+        axes.scatter(
+            [t["batch_size"] for t in failed],
+            [(capacity or int(t.get("peak_reserved") or t.get("peak_allocated") or 0)) / size for t in failed],
+            marker="X",
+            s=90,
+            color="#cf222e",
+            zorder=5,
+            label="out of memory",
+        )
     if capacity:
-        axes.axhline(capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}")
+        axes.axhline(
+            capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}"
+        )
     for key, style in (("max_batch_size", "--"), ("recommended_batch_size", ":")):
         if isinstance(probe.get(key), int):
-            axes.axvline(probe[key], color="#1a7f37", linestyle=style, linewidth=1.2,
-                         label=f"{key.replace('_', ' ')} = {probe[key]}")
+            axes.axvline(
+                probe[key],
+                color="#1a7f37",
+                linestyle=style,
+                linewidth=1.2,
+                label=f"{key.replace('_', ' ')} = {probe[key]}",
+            )
     axes.set_xlabel("batch size")
     axes.set_ylabel(unit)
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
-    speeds = [(t["batch_size"], t["samples_per_second"]) for t in fitting if isinstance(t.get("samples_per_second"), (int, float))]
+    speeds = [
+        (t["batch_size"], t["samples_per_second"])
+        for t in fitting
+        if isinstance(t.get("samples_per_second"), (int, float))
+    ]
     if speeds:
         twin = axes.twinx()
-        twin.plot([s[0] for s in speeds], [s[1] for s in speeds], color="#9a6700", linestyle="-.", marker="s",
-                  markersize=3, label="samples/s")
+        twin.plot(
+            [s[0] for s in speeds],
+            [s[1] for s in speeds],
+            color="#9a6700",
+            linestyle="-.",
+            marker="s",
+            markersize=3,
+            label="samples/s",
+        )
         twin.set_ylabel("samples/s")
         twin.set_ylim(bottom=0)
         lines, labels = axes.get_legend_handles_labels()
@@ -80,8 +109,13 @@ def estimate_png(estimate: Mapping[str, Any]) -> bytes | None:
         axes.text(value / size, name, f" {format_size(value)}", va="center", fontsize=8)
     colors = {"peak_reserved": "#8250df", "memory": "#1f2328"}
     for key, value in marks.items():
-        axes.axvline(value / size, color=colors[key], linestyle="--", linewidth=1,
-                     label=f"{key.replace('_', ' ')} {format_size(value)}")
+        axes.axvline(
+            value / size,
+            color=colors[key],
+            linestyle="--",
+            linewidth=1,
+            label=f"{key.replace('_', ' ')} {format_size(value)}",
+        )
     if marks:
         axes.legend(loc="lower right", fontsize=8)
     axes.set_xlabel(unit)
@@ -93,8 +127,11 @@ def plan_png(plan: Mapping[str, Any]) -> bytes | None:
     """Peak reserved memory against samples/s for each measured candidate: the Pareto
     front joined, the recommendation starred, the capacity dashed. None without data."""
     measured = [
-        c for c in plan.get("candidates") or []
-        if isinstance(c, Mapping) and c.get("fits") and isinstance(c.get("peak_reserved"), int)
+        c
+        for c in plan.get("candidates") or []
+        if isinstance(c, Mapping)
+        and c.get("fits")
+        and isinstance(c.get("peak_reserved"), int)
         and isinstance(c.get("samples_per_second"), (int, float))
     ]
     if not measured:
@@ -109,23 +146,47 @@ def plan_png(plan: Mapping[str, Any]) -> bytes | None:
         for checkpointing, fill in (("none", "#0969da"), ("blocks", "none")):
             group = [c for c in measured if c.get("precision") == precision and c.get("checkpointing") == checkpointing]
             if group:
-                axes.scatter([c["peak_reserved"] / size for c in group], [c["samples_per_second"] for c in group],
-                             marker=marker, s=55, facecolors=fill, edgecolors="#0969da",
-                             label=f"{precision}" + (", checkpointing" if checkpointing == "blocks" else ""))
+                axes.scatter(
+                    [c["peak_reserved"] / size for c in group],
+                    [c["samples_per_second"] for c in group],
+                    marker=marker,
+                    s=55,
+                    facecolors=fill,
+                    edgecolors="#0969da",
+                    label=f"{precision}" + (", checkpointing" if checkpointing == "blocks" else ""),
+                )
     for c in measured:
-        axes.annotate(f"{c.get('micro_batch_size')}×{c.get('accumulation_steps')}",
-                      (c["peak_reserved"] / size, c["samples_per_second"]),
-                      textcoords="offset points", xytext=(5, 4), fontsize=8)
+        axes.annotate(
+            f"{c.get('micro_batch_size')}×{c.get('accumulation_steps')}",
+            (c["peak_reserved"] / size, c["samples_per_second"]),
+            textcoords="offset points",
+            xytext=(5, 4),
+            fontsize=8,
+        )
     front = [c for c in plan.get("pareto") or [] if isinstance(c, Mapping) and c.get("samples_per_second")]
     if len(front) > 1:
-        axes.plot([c["peak_reserved"] / size for c in front], [c["samples_per_second"] for c in front],
-                  color="#9a6700", linewidth=1, label="Pareto front")
+        axes.plot(
+            [c["peak_reserved"] / size for c in front],
+            [c["samples_per_second"] for c in front],
+            color="#9a6700",
+            linewidth=1,
+            label="Pareto front",
+        )
     best = plan.get("recommended")
     if isinstance(best, Mapping) and best.get("samples_per_second"):
-        axes.scatter([best["peak_reserved"] / size], [best["samples_per_second"]], marker="*", s=260,
-                     color="#cf222e", zorder=5, label="recommended")
+        axes.scatter(
+            [best["peak_reserved"] / size],
+            [best["samples_per_second"]],
+            marker="*",
+            s=260,
+            color="#cf222e",
+            zorder=5,
+            label="recommended",
+        )
     if capacity:
-        axes.axvline(capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}")
+        axes.axvline(
+            capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}"
+        )
     axes.set_xlabel(f"peak reserved ({unit})")
     axes.set_ylabel("samples/s")
     axes.set_xlim(left=0)

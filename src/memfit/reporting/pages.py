@@ -19,11 +19,11 @@ from typing import Any
 
 from memfit._html import html_table, to_html
 from memfit._io import write_atomically
+from memfit._plot import png_data_uri
 from memfit.errors import MemfitError
 from memfit.monitor.findings import MemoryFinding, findings_html
 from memfit.monitor.monitor import Monitor
 from memfit.monitor.runfile import RecordedRun, read_run
-from memfit._plot import png_data_uri
 from memfit.monitor.timeline import timeline_png
 from memfit.reporting.figures import estimate_png, plan_png, probe_png
 
@@ -53,8 +53,6 @@ table.memfit th{background:#f6f8fa}
 img{max-width:100%;border:1px solid #d0d7de}
 code{background:#f6f8fa;padding:0 .2rem}
 """
-
-
 
 
 def _img(png: bytes, alt: str) -> str:
@@ -136,7 +134,12 @@ def results_html(
     if doctor is not None:
         parts.append("<h2>Environment (memfit doctor)</h2>")
         rows = [
-            {"severity": f.get("severity"), "check": f.get("check"), "finding": f.get("message"), "fix": f.get("fix") or ""}
+            {
+                "severity": f.get("severity"),
+                "check": f.get("check"),
+                "finding": f.get("message"),
+                "fix": f.get("fix") or "",
+            }
             for f in doctor.get("findings", [])
             if isinstance(f, Mapping)
         ]
@@ -171,15 +174,17 @@ def write_results_report(
     page, and each figure also as a PNG beside it (``report-probe.png``, ...)."""
     figures: dict[str, bytes] = {}
     body = results_html(doctor=doctor, probe=probe, estimate=estimate, plan=plan, figures=figures)
-    page = "\n".join([
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1>",
-        *body,
-        "</body></html>\n",
-    ])
+    page = "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>{html.escape(title)}</title><style>{_CSS}</style></head><body>",
+            f"<h1>{html.escape(title)}</h1>",
+            *body,
+            "</body></html>\n",
+        ]
+    )
     html_path = Path(output)
     for name, png in figures.items():
         write_atomically(html_path.with_name(f"{html_path.stem}-{name}.png"), png)
@@ -211,9 +216,17 @@ def load_result(source: Mapping[str, Any] | str | os.PathLike[str] | Any, what: 
         except OSError as error:
             raise MemfitError(f"cannot read the {what} file {path}: {error.strerror or error}") from None
         except json.JSONDecodeError as error:
-            raise MemfitError(f"the {what} file {path} is not JSON (line {error.lineno}): write it with `memfit {what} --json`") from None
+            raise MemfitError(
+                f"the {what} file {path} is not JSON (line {error.lineno}): write it with `memfit {what} --json`"
+            ) from None
     else:
-        data = source.to_dict() if hasattr(source, "to_dict") else dataclasses.asdict(source) if dataclasses.is_dataclass(source) and not isinstance(source, type) else source
+        data = (
+            source.to_dict()
+            if hasattr(source, "to_dict")
+            else dataclasses.asdict(source)
+            if dataclasses.is_dataclass(source) and not isinstance(source, type)
+            else source
+        )
     if not isinstance(data, Mapping):
         raise MemfitError(f"the {what} result must be a JSON object, as `memfit {what} --json` writes")
     return dict(data)

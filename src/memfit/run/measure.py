@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from memfit._html import HtmlRepr
-from memfit.memory.devices import Device, device as make_device
+from memfit.memory.devices import Device
+from memfit.memory.devices import device as make_device
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
@@ -41,7 +42,6 @@ class Measurement(HtmlRepr):
         if not self.seconds_per_step:
             return None
         return self.batch_size / self.seconds_per_step
-
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +69,7 @@ def measure(
     try:
         run = run_steps(workload, settings, gpu, steps=steps)
         seconds = run.step_seconds[-1]
-    except Exception as error:  # noqa: BLE001 - re-raised unless it is an OOM
+    except Exception as error:
         if not is_oom(error):
             raise
         fits = False

@@ -56,9 +56,7 @@ class Settings:
         if self.precision not in PRECISIONS:
             raise MemfitError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.checkpointing not in CHECKPOINTING:
-            raise MemfitError(
-                f"unknown checkpointing {self.checkpointing!r}: use one of {', '.join(CHECKPOINTING)}"
-            )
+            raise MemfitError(f"unknown checkpointing {self.checkpointing!r}: use one of {', '.join(CHECKPOINTING)}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise MemfitError(f"invalid micro-batch size {self.micro_batch_size}: must be at least 1")
         if self.accumulation_steps < 1:
@@ -136,9 +134,7 @@ def enable_checkpointing(model: nn.Module) -> Callable[[], None]:
     blocks and their keyword arguments); any other model gets each block's ``forward``
     wrapped in non-reentrant ``torch.utils.checkpoint``.
     """
-    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(
-        model, "gradient_checkpointing_enable"
-    ):
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model.gradient_checkpointing_disable
     blocks = find_blocks(model)

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError
-from memfit.search.lock import Lock, Measured, write_lock
-from memfit.memory.devices import Device, device as make_device
-from memfit.search.plan import Plan, plan
+from memfit.memory.devices import Device
+from memfit.memory.devices import device as make_device
 from memfit.run.settings import Settings
+from memfit.search.lock import Lock, Measured, write_lock
+from memfit.search.plan import Plan, plan
 from memfit.workload import Workload, load_workload
 
 __all__ = ["fit", "FitResult"]
@@ -110,10 +111,9 @@ def fit(
     say: Say | None = None,
 ) -> FitResult:
     """Doctor, estimate, probe, plan; then write the lock and the report."""
+    from memfit.environment import system
     from memfit.estimator.estimate import estimate
     from memfit.search.probe import probe
-
-    from memfit.environment import system
 
     say = say or (lambda _text: None)
     wl = load_workload(workload)
@@ -131,8 +131,9 @@ def fit(
         say("estimate: predicting peak memory on fake tensors")
         predicted = estimate(wl, None, Settings(), device=gpu)
     say("probe: finding the largest batch that fits")
-    found = probe(wl, gpu, headroom=headroom, max_batch_size=max_batch_size,
-                  guess=predicted.max_batch_size if predicted else None)  # no second estimate
+    found = probe(
+        wl, gpu, headroom=headroom, max_batch_size=max_batch_size, guess=predicted.max_batch_size if predicted else None
+    )  # no second estimate
     target = target_batch_size or found.recommended_batch_size * world_size
     say(f"plan: the fastest settings that reach batch {target}")
     chosen = plan(wl, target, gpu, world_size=world_size)

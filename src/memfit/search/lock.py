@@ -174,7 +174,11 @@ class LockCheck:
         return notes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"matters": self.matters, "differences": [d.to_dict() for d in self.differences], "advice": self.advice()}
+        return {
+            "matters": self.matters,
+            "differences": [d.to_dict() for d in self.differences],
+            "advice": self.advice(),
+        }
 
 
 def check_lock(path: str | os.PathLike[str] = "memfit.lock", current: Fingerprint | None = None) -> LockCheck:

@@ -36,8 +36,9 @@ from torch import nn
 
 from memfit._html import HtmlRepr
 from memfit.errors import DoesNotFitError, MemfitError
+from memfit.memory.devices import Device
+from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement, measure
-from memfit.memory.devices import Device, device as make_device
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Settings, find_blocks
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
@@ -148,7 +149,9 @@ def pareto_front(measured: Sequence[Candidate]) -> list[Candidate]:
             and o.samples_per_second is not None
             and o.measurement.peak_reserved <= c.measurement.peak_reserved
             and o.samples_per_second >= c.samples_per_second
-            and (o.measurement.peak_reserved < c.measurement.peak_reserved or o.samples_per_second > c.samples_per_second)
+            and (
+                o.measurement.peak_reserved < c.measurement.peak_reserved or o.samples_per_second > c.samples_per_second
+            )
             for o in measured
         )
         if not beaten:
@@ -172,7 +175,7 @@ def advice(
         ratio = target_batch_size / reference_batch_size
         notes.append(
             f"The global batch {target_batch_size} is {ratio:g}x the reference {reference_batch_size}: "
-            f"scale the learning rate by {ratio:g} (linear rule, SGD-style) or {ratio ** 0.5:.3g} "
+            f"scale the learning rate by {ratio:g} (linear rule, SGD-style) or {ratio**0.5:.3g} "
             "(square-root rule, Adam-style), with warm-up; this is advice, check it on your task."
         )
     if has_batchnorm and micro_batch_size is not None and micro_batch_size < 16:
@@ -213,7 +216,6 @@ class Plan(HtmlRepr):
         if self.recommended is None:
             raise MemfitError(self.reason)
         return self.recommended.settings
-
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -291,7 +293,9 @@ def plan(
                 results[s].status = "dominated"
         if all(results[s].status == "dominated" for s in members):
             continue
-        limit = predictor(wl, Settings(precision=group[0], checkpointing=group[1]), gpu, per_rank) if predictor else None
+        limit = (
+            predictor(wl, Settings(precision=group[0], checkpointing=group[1]), gpu, per_rank) if predictor else None
+        )
         for s in members:
             c = results[s]
             c.predicted_max_micro_batch = limit

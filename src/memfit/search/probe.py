@@ -33,12 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit._html import HtmlRepr
 from memfit import distributed
+from memfit._html import HtmlRepr
 from memfit.batch_search import Outcome, SearchSpace, answer, next_batch_size
 from memfit.errors import DoesNotFitError, MemfitError
+from memfit.memory.devices import CudaDevice, Device
+from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement, measure
-from memfit.memory.devices import CudaDevice, Device, device as make_device
 from memfit.run.settings import Settings
 from memfit.run.state import Snapshot, preserved
 from memfit.units import format_size
@@ -93,7 +94,6 @@ class ProbeResult(HtmlRepr):
     #: this rank's own maximum (the others may have less memory)
     local_max_batch_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
-
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the fields above, trials as dicts with samples_per_second."""
@@ -200,14 +200,20 @@ def recommend(trials: Sequence[Measurement], headroom_batch: int, headroom: floa
     # "Stops growing" needs a larger batch measured and found no faster; the fastest
     # batch being the largest one measured says nothing about the sizes above it.
     if fastest is not None and fastest < max(speeds):
-        return fastest, fastest, (
-            f"throughput stops growing at batch {fastest} (within {THROUGHPUT_TOLERANCE:.0%} of the best "
-            f"samples/s); {headroom_batch} would fit with {headroom:.0%} headroom"
+        return (
+            fastest,
+            fastest,
+            (
+                f"throughput stops growing at batch {fastest} (within {THROUGHPUT_TOLERANCE:.0%} of the best "
+                f"samples/s); {headroom_batch} would fit with {headroom:.0%} headroom"
+            ),
         )
     return headroom_batch, fastest, f"the largest batch with peak reserved memory within {1 - headroom:.0%} of capacity"
 
 
-def _does_not_fit_message(describe: str, trials: Sequence[Measurement], space: SearchSpace, capacity: int | None) -> str:
+def _does_not_fit_message(
+    describe: str, trials: Sequence[Measurement], space: SearchSpace, capacity: int | None
+) -> str:
     smallest = min((t for t in trials if not t.fits), key=lambda t: t.batch_size, default=None)
     batch = smallest.batch_size if smallest else space.multiple_of
     cap = format_size(capacity) if capacity else "its memory"
@@ -275,7 +281,14 @@ def probe(
             def trial(batch_size: int) -> Measurement:
                 return measure(probed, batch_size, gpu, settings, steps=TRIAL_STEPS)
 
-            found = search(trial, space, capacity=gpu.capacity, headroom=headroom, progress=progress, describe=f"{wl.name} on {gpu.describe()}")
+            found = search(
+                trial,
+                space,
+                capacity=gpu.capacity,
+                headroom=headroom,
+                progress=progress,
+                describe=f"{wl.name} on {gpu.describe()}",
+            )
     except Exception as error:  # noqa: BLE001 - re-raised below, after the ranks agree
         failure = error
     return _agree(found, failure, gpu, wl, space, headroom)

@@ -82,7 +82,9 @@ def _call_factory(module: Any, function: str, ref: str) -> Workload:
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
     if required:
-        raise WorkloadError(f"workload {ref!r}: {function} must take no required arguments (it needs {', '.join(required)})")
+        raise WorkloadError(
+            f"workload {ref!r}: {function} must take no required arguments (it needs {', '.join(required)})"
+        )
     workload = factory()
     if not isinstance(workload, Workload):
         raise WorkloadError(f"workload {ref!r}: {function} returned {type(workload).__name__}, not a memfit.Workload")

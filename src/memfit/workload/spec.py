@@ -60,7 +60,9 @@ class Workload:
             return self.model
         model = self.model()
         if not isinstance(model, nn.Module):
-            raise WorkloadError(f"workload {self.name!r}: the model factory returned {type(model).__name__}, not an nn.Module")
+            raise WorkloadError(
+                f"workload {self.name!r}: the model factory returned {type(model).__name__}, not an nn.Module"
+            )
         return model
 
 

@@ -183,9 +183,7 @@ class _HFEntry:
         try:
             import transformers
         except ImportError:
-            raise WorkloadError(
-                f"zoo workload {name!r} needs transformers: pip install 'memfit[hf]'"
-            ) from None
+            raise WorkloadError(f"zoo workload {name!r} needs transformers: pip install 'memfit[hf]'") from None
         transformers.logging.set_verbosity_error()  # config chatter is not the user's problem
         options = dict(options)
         shape_key = "image_size" if self.kind == "image" else "seq_len"
@@ -210,7 +208,9 @@ class _HFEntry:
         if self.kind != "image":
             limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
             if limit is not None and shape > limit:
-                raise WorkloadError(f"zoo workload {name!r}: seq_len={shape} is longer than the model's {limit} positions")
+                raise WorkloadError(
+                    f"zoo workload {name!r}: seq_len={shape} is longer than the model's {limit} positions"
+                )
 
         def build_model() -> nn.Module:
             return model_cls(config)
@@ -273,8 +273,13 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
         "BertConfig",
         "BertForMaskedLM",
         {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072},
-        {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
-         "intermediate": "intermediate_size", "vocab": "vocab_size"},
+        {
+            "layers": "num_hidden_layers",
+            "hidden": "hidden_size",
+            "heads": "num_attention_heads",
+            "intermediate": "intermediate_size",
+            "vocab": "vocab_size",
+        },
         "masked",
         512,
         "BERT base, masked LM",
@@ -282,10 +287,21 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
     "vit-base": _HFEntry(
         "ViTConfig",
         "ViTForImageClassification",
-        {"num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "intermediate_size": 3072,
-         "patch_size": 16, "num_labels": 1000},
-        {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
-         "intermediate": "intermediate_size", "classes": "num_labels"},
+        {
+            "num_hidden_layers": 12,
+            "hidden_size": 768,
+            "num_attention_heads": 12,
+            "intermediate_size": 3072,
+            "patch_size": 16,
+            "num_labels": 1000,
+        },
+        {
+            "layers": "num_hidden_layers",
+            "hidden": "hidden_size",
+            "heads": "num_attention_heads",
+            "intermediate": "intermediate_size",
+            "classes": "num_labels",
+        },
         "image",
         224,
         "ViT-B/16, image classification",
@@ -293,8 +309,13 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
     "resnet50": _HFEntry(
         "ResNetConfig",
         "ResNetForImageClassification",
-        {"depths": [3, 4, 6, 3], "hidden_sizes": [256, 512, 1024, 2048], "embedding_size": 64,
-         "layer_type": "bottleneck", "num_labels": 1000},
+        {
+            "depths": [3, 4, 6, 3],
+            "hidden_sizes": [256, 512, 1024, 2048],
+            "embedding_size": 64,
+            "layer_type": "bottleneck",
+            "num_labels": 1000,
+        },
         {"classes": "num_labels"},
         "image",
         224,
@@ -303,9 +324,17 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
     "llama-1b": _HFEntry(
         "LlamaConfig",
         "LlamaForCausalLM",
-        {"num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
-         "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 131072,
-         "tie_word_embeddings": True, "head_dim": 64},
+        {
+            "num_hidden_layers": 16,
+            "hidden_size": 2048,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 8192,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": True,
+            "head_dim": 64,
+        },
         _LLAMA_ALIASES,
         "causal",
         2048,
@@ -314,8 +343,15 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
     "llama-7b": _HFEntry(
         "LlamaConfig",
         "LlamaForCausalLM",
-        {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
-         "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096},
+        {
+            "num_hidden_layers": 32,
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "intermediate_size": 11008,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+        },
         _LLAMA_ALIASES,
         "causal",
         2048,
@@ -357,9 +393,7 @@ def build(name: str, options_text: str = "") -> Workload:
         allowed = inspect.signature(factory).parameters
         for key, value in options.items():
             if key not in allowed:
-                raise WorkloadError(
-                    f"unknown option {key!r} for zoo workload {name!r}: use {', '.join(allowed)}"
-                )
+                raise WorkloadError(f"unknown option {key!r} for zoo workload {name!r}: use {', '.join(allowed)}")
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise WorkloadError(f"zoo workload {name!r}: {key} must be a positive integer, not {value!r}")
         workload = factory(**options)
