@@ -1,4 +1,4 @@
-"""Shared test fixtures: tiny zoo references and a CLI runner."""
+"""Shared test fixtures (tiny zoo references, a CLI runner) and the one place ``cuda`` tests are skipped."""
 
 from __future__ import annotations
 
@@ -9,6 +9,18 @@ import pytest
 from memfit.workload.zoo import TINY as TINY_ZOO
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every test marked ``cuda`` on a machine without a CUDA GPU (the real path is bench/'s)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

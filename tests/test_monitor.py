@@ -361,7 +361,6 @@ def test_repr_html_shows_the_summary_findings_and_timeline():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_snapshot_is_dumped_for_the_memory_viewer(tmp_path):  # pragma: no cover - GPU only
     import pickle
 

@@ -55,10 +55,10 @@ def signals_held() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    arrived: list[int] = []
+    arrived: list[signal.Signals] = []
 
     def hold(signum: int, _frame: FrameType | None) -> None:
-        arrived.append(signum)
+        arrived.append(signal.Signals(signum))
 
     previous = {sig: signal.signal(sig, hold) for sig in _HELD_SIGNALS}
     try:

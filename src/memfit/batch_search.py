@@ -312,6 +312,7 @@ def _last_step_was_poor(trials: list[tuple[int, bool, int]]) -> bool:
     if not previous_lo < trials[-1][0] < previous_hi:
         return False  # not a step inside the interval (a trial reused from another search)
     lo, hi = _bounds_units(trials)
+    assert hi is not None  # the interval only narrows: previous_hi is still a failure
     return (hi - lo) * 2 > previous_hi - previous_lo
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ def _reduce_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _all_reduce(value: int, op: dist.ReduceOp) -> int:
+def _all_reduce(value: int, op: Any) -> int:
     if not is_distributed():
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=_reduce_device())

@@ -33,6 +33,7 @@ from memfit.memory.devices import Device, rank_device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
 from memfit.search.probe import ProbeResult, probe
+from memfit.search.probe import Progress as ProgressCallback
 from memfit.units import format_size
 from memfit.workload import load_workload
 
@@ -162,7 +163,7 @@ def summary(result: ProbeResult) -> str:
 
 
 @contextmanager
-def _progress_bar(enabled: bool) -> Iterator[object]:
+def _progress_bar(enabled: bool) -> Iterator[ProgressCallback | None]:
     """A rich progress bar over trials on stderr (started at the first trial), or None.
 
     Why started late: an argument error raised before any trial must print its one line

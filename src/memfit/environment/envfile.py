@@ -285,7 +285,8 @@ def merge_conda_pip(conda_export: dict[str, Any], dists: Iterable[Distribution])
     """
     dists = [d for d in dists if d.installer != "conda"]
     ours = {canonical_name(d.name) for d in dists}
-    conda_deps, conda_pip = [], []
+    conda_deps: list[Any] = []
+    conda_pip: list[str] = []
     for dep in conda_export.get("dependencies", []):
         if isinstance(dep, dict) and "pip" in dep:
             conda_pip.extend(str(line) for line in dep["pip"])

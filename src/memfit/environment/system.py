@@ -300,7 +300,7 @@ class LiveProbe(SystemProbe):
                         total_memory=int(memory.total),
                         used_memory=int(memory.used),
                         free_memory=int(memory.free),
-                        compute_capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)),  # type: ignore[arg-type]
+                        compute_capability=_capability(pynvml.nvmlDeviceGetCudaComputeCapability(handle)),
                         processes=_nvml_processes(pynvml, handle),
                     )
                 )
@@ -398,6 +398,12 @@ class LiveProbe(SystemProbe):
         output = _run([conda, "env", "export", "--no-builds", "--json", "--prefix", sys.prefix])
         data = json.loads(output)
         return data if isinstance(data, dict) else None
+
+
+def _capability(value: Any) -> tuple[int, int]:
+    """NVML's (major, minor) compute capability as a tuple of two ints."""
+    major, minor = value
+    return int(major), int(minor)
 
 
 def _nvml_message(error: BaseException) -> str:

@@ -100,6 +100,7 @@ def expected_optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int | No
     (AdamW: two tensors per parameter; SGD: one with momentum, none without); None else.
     """
     name = type(optimizer).__name__
+    per: int | None
     if name == "SGD":
         per = 1 if any(group.get("momentum", 0) for group in optimizer.param_groups) else 0
     else:

@@ -391,7 +391,7 @@ class MemfitCallback(pl.Callback):
             loss = torch.tensor(result.loss, device=pl_module.device, requires_grad=True)
             return {"loss": loss, **extras} if extras else loss
 
-        pl_module.training_step = guarded_training_step  # type: ignore[method-assign]
+        pl_module.training_step = guarded_training_step
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Undo everything fit start did; safe to call more than once."""

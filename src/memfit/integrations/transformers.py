@@ -154,7 +154,11 @@ class MemfitTrainer(transformers.Trainer):
         **kwargs: Any,
     ) -> None:
         self.memfit_device = make_device(memfit_device) if memfit_device is not None else None
-        self._memfit_options = {"grow_after": memfit_grow_after, "split": memfit_split, "weight": memfit_weight}
+        self._memfit_options: dict[str, Any] = {
+            "grow_after": memfit_grow_after,
+            "split": memfit_split,
+            "weight": memfit_weight,
+        }
         self._memfit_splitter: Splitter | None = None
         self._memfit_factor = 1.0
         self.memory_callback: MemoryCallback | None = None
@@ -206,7 +210,7 @@ class MemfitTrainer(transformers.Trainer):
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         splitter = self._splitter()
         normalized = self._loss_is_normalized_by_batch(num_items_in_batch)
-        parent = super()
+        parent: Any = super()  # transformers.Trainer (untyped to the checker)
 
         def forward_backward(micro: Any, share: float) -> float:
             self._memfit_factor = micro_batch_factor(normalized, share)

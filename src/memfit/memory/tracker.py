@@ -21,6 +21,7 @@ estimator (fake tensors: shapes only, no memory, no arithmetic).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
@@ -140,7 +141,9 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the dispatch mode -------------------------------------------------------------
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         for storage in _storages((args, kwargs)):
             self._see(storage)
@@ -165,9 +168,13 @@ class StorageTracker(TorchDispatchMode):
         if nbytes == 0:
             return
         handle = self.listener.allocated(nbytes, current_labels())  # may raise an OOM
-        ref = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
+        ref = weakref.ref(storage, functools.partial(self._forgotten, key))
         with self._lock:
             self._tracked[key] = (ref, handle, nbytes)
+
+    def _forgotten(self, key: int, _ref: object) -> None:
+        """The weak reference's callback: the storage was freed."""
+        self._forget(key)
 
     def _forget(self, key: int) -> None:
         with self._lock:

@@ -38,9 +38,9 @@ def timeline_png(
         "allocated (at step end)": [int(r["allocated"]) for r in records],
     }
     largest = max(max(values) for values in series.values())
-    capacity = header.get("capacity")
-    show_capacity = isinstance(capacity, int) and largest >= 0.2 * capacity
-    unit, size = binary_unit(max(largest, capacity if show_capacity else 0))
+    capacity = header.get("capacity") if isinstance(header.get("capacity"), int) else None
+    show_capacity = capacity is not None and largest >= 0.2 * capacity
+    unit, size = binary_unit(max(largest, capacity if capacity is not None and show_capacity else 0))
     styles = {
         "peak allocated (per step)": {"color": "#d1242f", "linewidth": 1.2, "alpha": 0.85},
         "reserved": {"color": "#8250df", "linewidth": 1.6},
@@ -49,7 +49,7 @@ def timeline_png(
     marker = "o" if len(steps) <= 60 else None
     for name, values in series.items():
         axes.plot(steps, [v / size for v in values], label=name, marker=marker, markersize=3, **styles[name])
-    if show_capacity:
+    if capacity is not None and show_capacity:
         axes.axhline(
             capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}"
         )

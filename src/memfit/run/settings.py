@@ -135,8 +135,10 @@ def enable_checkpointing(model: nn.Module) -> Callable[[], None]:
     wrapped in non-reentrant ``torch.utils.checkpoint``.
     """
     if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model.gradient_checkpointing_disable
+        hf_model: Any = model  # a transformers PreTrainedModel
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        disable: Callable[[], None] = hf_model.gradient_checkpointing_disable
+        return disable
     blocks = find_blocks(model)
     if not blocks:
         raise MemfitError(
@@ -152,7 +154,7 @@ def enable_checkpointing(model: nn.Module) -> Callable[[], None]:
                 return __original(*args, **kwargs)
             return checkpoint(__original, *args, use_reentrant=False, **kwargs)
 
-        block.forward = checkpointed  # type: ignore[method-assign]
+        block.forward = checkpointed
 
     def undo() -> None:
         for block in blocks:

@@ -102,6 +102,7 @@ def _one_step(
     step: int,
 ) -> float:
     total = 0.0
+    assert settings.micro_batch_size is not None  # run_steps checked it
     for _ in range(settings.accumulation_steps):
         with labelled(phase="forward", step=step):
             batch = move_to(workload.make_batch(settings.micro_batch_size), device.torch_device)

@@ -63,7 +63,9 @@ def parse_options(text: str) -> dict[str, Any]:
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas outside brackets, so ``depths=[1,1],image_size=32`` is two options."""
-    items, depth, current = [], 0, []
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char in "[(":
             depth += 1
