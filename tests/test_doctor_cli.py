@@ -112,7 +112,7 @@ def test_env_export_then_check_here_and_after_a_change(run_cli, recorded, tmp_pa
     ]
     fingerprint = tmp_path / "environment.json"
     status, out, _ = run_cli("env", "check", str(fingerprint))
-    assert status == 0 and out.strip() == f"no difference from {fingerprint}"
+    assert status == 0 and out.strip() == f"no difference from {fingerprint}: this environment matches it"
 
     data = json.loads(fingerprint.read_text())
     data["torch"] = "2.4.0+cu121"

@@ -317,7 +317,7 @@ def test_compare(changes, expected):
 def test_export_then_check_in_the_same_environment_finds_no_difference(tmp_path):
     probe = LiveProbe()  # the live machine; torch's facts from one child process
     export_environment(tmp_path, probe)
-    assert check_environment(tmp_path / "environment.json", probe) == []
+    assert check_environment(tmp_path / "environment.json", probe).differences == []
 
 
 def test_changed_torch_or_gpu_model_in_the_file_is_reported(tmp_path):
@@ -327,8 +327,9 @@ def test_changed_torch_or_gpu_model_in_the_file_is_reported(tmp_path):
     data = json.loads(path.read_text())
     data["torch"], data["gpus"][0]["name"] = "2.4.0+cu121", "NVIDIA A100-SXM4-80GB"
     path.write_text(json.dumps(data))
-    differences = check_environment(path, here)
-    assert [(d.field, d.old, d.new, d.matters) for d in differences] == [
+    result = check_environment(path, here)
+    assert result.matters and result.exit_status == 1 and result.source == str(path)
+    assert [(d.field, d.old, d.new, d.matters) for d in result.differences] == [
         ("torch", "2.4.0+cu121", "2.5.1+cu124", True),
         ("gpus[0].name", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", True),
     ]

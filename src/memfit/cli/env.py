@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import click
-from rich.table import Table
 from rich.text import Text
 
-from memfit.cli.options import console, json_option, print_json
+from memfit.cli.options import console, json_option, print_environment_check, print_json
 from memfit.environment import system
 from memfit.environment.envfile import check_environment, export_environment
 
@@ -47,24 +46,4 @@ def check(path: str, as_json: bool) -> int:
 
     Exit status 1 when one matters (torch, its CUDA, a GPU model, an older driver).
     """
-    differences = check_environment(path, system.current_probe())
-    status = 1 if any(d.matters for d in differences) else 0
-    if as_json:
-        print_json({"exit_status": status, "differences": [d.to_dict() for d in differences]})
-        return status
-    if not differences:
-        console.print(Text(f"no difference from {path}"), soft_wrap=True)
-        return status
-    table = Table(title=f"memfit env check · {path} (recorded) vs here")
-    for column in ("field", "recorded", "here", "matters", "why"):
-        table.add_column(column)
-    for d in differences:
-        table.add_row(
-            Text(d.field),
-            Text(str(d.old)),
-            Text(str(d.new)),
-            Text("yes", style="bold red") if d.matters else Text("no"),
-            Text(d.note),
-        )
-    console.print(table)
-    return status
+    return print_environment_check(check_environment(path, system.current_probe()), as_json)

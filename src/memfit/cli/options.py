@@ -8,10 +8,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from memfit.units import parse_size
 
 if TYPE_CHECKING:
+    from memfit.environment.envfile import EnvironmentCheck
     from memfit.run.settings import Settings
 
 # memfit.run.settings and memfit.workload.zoo import torch: they are imported inside the decorators
@@ -78,6 +81,31 @@ def make_settings(precision: str, checkpointing: str, **extra: Any) -> Settings:
 
 def size_or_none(text: str | None) -> int | None:
     return None if text is None else parse_size(text)
+
+
+def print_environment_check(result: EnvironmentCheck, as_json: bool) -> int:
+    """``memfit check`` and ``memfit env check``: one table (or JSON) of differences; return the exit status."""
+    if as_json:
+        print_json(result.to_dict())
+        return result.exit_status
+    if not result.differences:
+        console.print(Text(f"no difference from {result.source}: this environment matches it"), soft_wrap=True)
+        return result.exit_status
+    table = Table(title=f"{result.source} (recorded) vs here")
+    for column in ("field", "recorded", "here", "matters", "why"):
+        table.add_column(column)
+    for d in result.differences:
+        table.add_row(
+            Text(d.field),
+            Text(str(d.old)),
+            Text(str(d.new)),
+            Text("yes", style="bold red") if d.matters else Text("no"),
+            Text(d.note),
+        )
+    console.print(table)
+    for note in result.advice():
+        console.print(Text(note), soft_wrap=True)
+    return result.exit_status
 
 
 def print_json(data: Any) -> None:

@@ -27,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from memfit._html import HtmlRepr
 from memfit._io import write_atomically
 from memfit.environment import system
 from memfit.environment.system import SystemProbe
@@ -45,6 +46,7 @@ __all__ = [
     "load_fingerprint",
     "export_environment",
     "check_environment",
+    "EnvironmentCheck",
     "installed_distributions",
     "requirement_lines",
     "environment_document",
@@ -142,6 +144,49 @@ class Difference:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class EnvironmentCheck(HtmlRepr):
+    """A recorded environment (a lock's, an environment.json) against this machine.
+
+    The one result of ``memfit check`` and ``memfit env check``: every difference, whether
+    one matters (it can change what fits, or whether CUDA runs at all), and what to do.
+    """
+
+    #: what the recorded fingerprint came from ("memfit.lock", "env/environment.json")
+    source: str
+    differences: list[Difference]
+
+    @property
+    def matters(self) -> bool:
+        return any(d.matters for d in self.differences)
+
+    @property
+    def gpu_changed(self) -> bool:
+        return any(d.field.startswith("gpus") for d in self.differences)
+
+    @property
+    def exit_status(self) -> int:
+        """1 when a difference matters, else 0 (the commands' exit status)."""
+        return 1 if self.matters else 0
+
+    def advice(self) -> list[str]:
+        """What to do about the differences, one sentence each."""
+        if self.gpu_changed:
+            return ["The GPU changed: run `memfit probe` (or `memfit fit`) again before training."]
+        if self.matters:
+            return ["torch, CUDA or the driver changed: memory use can differ; re-run `memfit fit` to re-measure."]
+        return []
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "exit_status": self.exit_status,
+            "matters": self.matters,
+            "differences": [d.to_dict() for d in self.differences],
+            "advice": self.advice(),
+        }
+
+
 # -- fingerprint and comparison ----------------------------------------------------------
 
 
@@ -216,10 +261,15 @@ def load_fingerprint(path: str | os.PathLike[str]) -> Fingerprint:
     return Fingerprint.from_dict(data, source=str(path))
 
 
-def check_environment(path: str | os.PathLike[str], probe: SystemProbe | None = None) -> list[Difference]:
-    """Differences between the fingerprint in ``path`` and this machine."""
+def check_environment(path: str | os.PathLike[str], probe: SystemProbe | None = None) -> EnvironmentCheck:
+    """Compare the environment recorded in ``path`` (``memfit env export``'s environment.json) with this machine.
+
+    Args:
+        path: an ``environment.json`` written by :func:`export_environment`.
+        probe: where this machine's facts come from (default: the live machine).
+    """
     recorded = load_fingerprint(path)
-    return compare(recorded, fingerprint(probe))
+    return EnvironmentCheck(str(path), compare(recorded, fingerprint(probe)))
 
 
 # -- pip and conda package lists ---------------------------------------------------------

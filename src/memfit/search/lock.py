@@ -35,13 +35,12 @@ import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import tomli_w
 
 from memfit._io import write_atomically
 from memfit._version import __version__
-from memfit.environment.envfile import Difference, Fingerprint, compare, fingerprint
+from memfit.environment.envfile import EnvironmentCheck, Fingerprint, compare, fingerprint
 from memfit.errors import MemfitError
 from memfit.run.settings import Settings
 
@@ -50,7 +49,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["Lock", "Measured", "write_lock", "load_lock", "check_lock", "SCHEMA", "SCHEMA_VERSION", "LockCheck"]
+__all__ = ["Lock", "Measured", "write_lock", "load_lock", "check_lock", "SCHEMA", "SCHEMA_VERSION"]
 
 SCHEMA = "memfit.lock"
 SCHEMA_VERSION = 1
@@ -151,37 +150,12 @@ def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:
         raise MemfitError(f"{path} is a damaged memfit.lock: bad or missing {error}") from None
 
 
-@dataclass(frozen=True)
-class LockCheck:
-    """The differences between a lock's environment and this machine, and what to do."""
+def check_lock(path: str | os.PathLike[str] = "memfit.lock", current: Fingerprint | None = None) -> EnvironmentCheck:
+    """Compare the environment recorded in a lock with this machine.
 
-    differences: list[Difference]
-
-    @property
-    def matters(self) -> bool:
-        return any(d.matters for d in self.differences)
-
-    @property
-    def gpu_changed(self) -> bool:
-        return any(d.field.startswith("gpus") for d in self.differences)
-
-    def advice(self) -> list[str]:
-        notes = []
-        if self.gpu_changed:
-            notes.append("The GPU changed: run `memfit probe` (or `memfit fit`) again before training.")
-        elif self.matters:
-            notes.append("torch, CUDA or the driver changed: memory use can differ; re-run `memfit fit` to re-measure.")
-        return notes
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "matters": self.matters,
-            "differences": [d.to_dict() for d in self.differences],
-            "advice": self.advice(),
-        }
-
-
-def check_lock(path: str | os.PathLike[str] = "memfit.lock", current: Fingerprint | None = None) -> LockCheck:
-    """Compare the lock's environment with ``current`` (default: this machine)."""
+    Args:
+        path: the lock file.
+        current: the fingerprint to compare with (default: this machine's).
+    """
     lock = load_lock(path)
-    return LockCheck(compare(lock.environment, current if current is not None else fingerprint()))
+    return EnvironmentCheck(str(path), compare(lock.environment, current if current is not None else fingerprint()))
