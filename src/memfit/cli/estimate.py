@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import click
 from rich.table import Table
 
@@ -9,6 +11,9 @@ from memfit.cli.options import console, json_option, make_settings, print_json, 
 from memfit.estimator.estimate import Estimate, estimate
 from memfit.estimator.sharding import SHARDS
 from memfit.units import format_size
+
+if TYPE_CHECKING:
+    from memfit.estimator.sharding import Shard
 
 
 @click.command("estimate")
@@ -68,7 +73,7 @@ def command(
         memory=memory,
         device=device_spec,
         world_size=world_size,
-        shard=shard,
+        shard=cast("Shard", shard),
         fixed_costs=fixed_costs,
     )
     if as_json:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 from rich.console import Console
@@ -15,7 +15,7 @@ from memfit.units import parse_size
 
 if TYPE_CHECKING:
     from memfit.environment.envfile import EnvironmentCheck
-    from memfit.run.settings import Settings
+    from memfit.run.settings import Checkpointing, Precision, Settings
 
 # memfit.run.settings and memfit.workload.zoo import torch: they are imported inside the decorators
 # that need them, so commands that do not (doctor, env, check) start fast.
@@ -74,9 +74,10 @@ def json_option(function: F) -> F:
 
 
 def make_settings(precision: str, checkpointing: str, **extra: Any) -> Settings:
+    """Settings from the command line's strings (click.Choice already checked them)."""
     from memfit.run.settings import Settings
 
-    return Settings(precision=precision, checkpointing=checkpointing, **extra)
+    return Settings(precision=cast("Precision", precision), checkpointing=cast("Checkpointing", checkpointing), **extra)
 
 
 def size_or_none(text: str | None) -> int | None:

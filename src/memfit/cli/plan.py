@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import click
 from rich.table import Table
 
@@ -18,6 +20,9 @@ from memfit.run.settings import CHECKPOINTING, PRECISIONS
 from memfit.search.plan import Candidate, Plan, plan
 from memfit.units import format_size
 from memfit.workload import load_workload
+
+if TYPE_CHECKING:
+    from memfit.run.settings import Checkpointing, Precision
 
 
 @click.command("plan")
@@ -78,8 +83,8 @@ def command(
         target,
         gpu,
         world_size=world_size,
-        precisions=precisions or None,
-        checkpointing=checkpointing or None,
+        precisions=cast("tuple[Precision, ...]", precisions) or None,
+        checkpointing=cast("tuple[Checkpointing, ...]", checkpointing) or None,
         reference_batch_size=reference_batch,
         progress=None if as_json else progress,
     )

@@ -737,7 +737,13 @@ def _live_cudnn_benchmark() -> bool | None:
 
 
 def diagnose(probe: SystemProbe | None = None, hints: TrainingHints | None = None) -> Diagnosis:
-    """Run every check against ``probe`` (the live machine by default); never creates a CUDA context."""
+    """Run every environment check; never creates a CUDA context in this process.
+
+    Args:
+        probe: where the machine's facts come from (default: the live machine).
+        hints: what the doctor cannot probe: data loader workers, batch size in bytes,
+            variable input shapes, cudnn.benchmark.
+    """
     probe = probe or system.current_probe()
     hints = hints or TrainingHints()
     nvidia, torch, python, host, environ = probe.nvidia(), probe.torch(), probe.python(), probe.host(), probe.environ()

@@ -437,6 +437,11 @@ def export_environment(
     """Write environment.yml, requirements.lock.txt and environment.json into ``directory``.
 
     All three are built before any is written, and each is written atomically.
+
+    Args:
+        directory: the folder to write into (created when missing).
+        probe: where the machine's facts come from (default: the live machine).
+        dists: the installed distributions to list (default: this environment's).
     """
     probe = probe or system.current_probe()
     target = Path(directory)

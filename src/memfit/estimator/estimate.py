@@ -45,6 +45,7 @@ from memfit.errors import MemfitError
 from memfit.estimator import sharding
 from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
 from memfit.estimator.fake import run_fake_steps
+from memfit.estimator.sharding import Shard
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
@@ -217,19 +218,32 @@ def estimate(
     memory: int | str | None = None,
     device: str | Device | None = None,
     world_size: int = 1,
-    shard: str = "none",
+    shard: Shard = "none",
     fixed_costs: int | str | None = None,
     search: bool = True,
     search_limit: int | None = None,
 ) -> Estimate:
     """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
 
-    ``batch_size`` is the micro-batch (samples per forward/backward) on each rank. Without
-    it, on a target with memory, the estimate is at the largest batch that fits (or at 1
-    when none does); without memory, at 1. ``search=False`` skips the search for
-    ``max_batch_size`` when ``batch_size`` is given; ``search_limit`` bounds it (a batch
-    nobody would use need not be proven: the limit is tried first, and when it fits the
-    search ends at once).
+    Give at most one target: ``gpu``, ``memory`` or ``device``.
+
+    Args:
+        workload: a :class:`memfit.Workload` or a reference, resolved once here.
+        batch_size: the micro-batch (samples per forward/backward) on each rank. Without
+            it, on a target with memory, the estimate is at the largest batch that fits (or
+            at 1 when none does); without memory, at 1.
+        settings: precision, checkpointing and accumulation.
+        gpu: a GPU model from the table (``"RTX 3090"``, ``"NVIDIA A100-SXM4-80GB"``).
+        memory: a CUDA GPU whose allocator may reserve this much (``"16GiB"``).
+        device: the simulated GPU itself (``"sim:8GiB"``): no fixed costs.
+        world_size: ranks training together.
+        shard: what the ranks divide among them (``none``: DDP; ``optimizer``: ZeRO-1;
+            ``gradients``: ZeRO-2; ``full``: ZeRO-3 / FSDP).
+        fixed_costs: override the memory the allocator never sees (CUDA context,
+            workspaces).
+        search: also find ``max_batch_size`` when ``batch_size`` is given.
+        search_limit: the largest batch worth proving (tried first; when it fits the
+            search ends at once).
     """
     wl = load_workload(workload)
     settings = settings or Settings()

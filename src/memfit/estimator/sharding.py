@@ -27,13 +27,16 @@ all-gather of one unit's full parameters) are not counted.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 from memfit.errors import MemfitError
 from memfit.units import MiB
 
-__all__ = ["SHARDS", "shard_states", "bucket_sizes", "uses_ddp_buckets", "FIRST_BUCKET", "BUCKET_CAP", "check"]
+__all__ = ["Shard", "SHARDS", "shard_states", "bucket_sizes", "uses_ddp_buckets", "FIRST_BUCKET", "BUCKET_CAP", "check"]
 
-SHARDS = ("none", "optimizer", "gradients", "full")
+#: what N ranks divide among them: nothing (DDP), optimizer state, + gradients, + parameters
+Shard = Literal["none", "optimizer", "gradients", "full"]
+SHARDS: tuple[Shard, ...] = ("none", "optimizer", "gradients", "full")
 FIRST_BUCKET = 1 * MiB  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_CAP = 25 * MiB  # DistributedDataParallel(bucket_cap_mb=25)
 

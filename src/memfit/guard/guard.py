@@ -33,16 +33,25 @@ __all__ = ["Guard"]
 class Guard:
     """One optimizer step per batch that survives OOMs by splitting the batch.
 
-    ``loss_fn(model, micro_batch)`` returns the mean loss over the micro-batch (run
-    autocast inside it for mixed precision). :meth:`step` runs forward and backward over
-    the whole batch, split on OOM (see :class:`Splitter`), then ``optimizer.step()``
-    (through ``scaler`` if given) and ``zero_grad``, and returns the batch's loss.
+    :meth:`step` runs forward and backward over the whole batch, split on OOM (see
+    :class:`~memfit.guard.splitter.Splitter`), then ``optimizer.step()`` (through
+    ``scaler`` if given) and ``zero_grad``, and returns the batch's loss. The update equals
+    the whole batch's: each micro-batch's loss is weighted by its share of the samples.
 
-    ``split(batch, size)`` splits batches memfit cannot (see :mod:`memfit.guard.batching`);
-    ``weight(batch)`` weights micro-batches by, say, their token count instead of their
-    sample count; ``grow_after=K`` tries a larger micro-batch after K clean steps;
-    ``device`` (a :class:`memfit.Device`) is where memory is read for events and errors
-    (found by itself on CUDA); ``micro_batch_size`` starts below the whole batch.
+    Args:
+        model: the model being trained (a DDP-wrapped model is supported).
+        optimizer: its optimizer.
+        loss_fn: ``loss_fn(model, micro_batch)`` returns the mean loss over the
+            micro-batch (run autocast inside it for mixed precision).
+        scaler: a ``torch.amp.GradScaler`` for fp16.
+        split: ``split(batch, size)`` for batches memfit cannot split itself (see
+            :mod:`memfit.guard.batching`).
+        weight: ``weight(batch)`` weights micro-batches by, say, their token count instead
+            of their sample count (for token-normalised losses).
+        grow_after: after this many clean steps, try a micro-batch twice as large.
+        logger: where OOM events are logged.
+        device: where memory is read for events and errors (found by itself on CUDA).
+        micro_batch_size: start below the whole batch.
     """
 
     def __init__(

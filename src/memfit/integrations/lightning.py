@@ -157,15 +157,24 @@ def _ddp_model(trainer: pl.Trainer) -> nn.parallel.DistributedDataParallel | Non
 class MemfitCallback(pl.Callback):
     """Probe the batch size at fit start, guard each training step against OOM, log memory.
 
-    ``probe``: find the batch that fits and set ``batch_arg_name`` (``batch_size``);
-    ``target_batch_size``: the samples per optimizer step over all ranks, kept exact with
-    ``accumulate_grad_batches``; ``guard``: recover from an OOM in a training step by
-    splitting the batch (same gradient, no sample lost); ``monitor``: record memory per
-    batch and log it. ``device``: see the module docstring. ``make_batch(n)``: probe
-    batches (default: samples of the train dataloader's dataset). ``max_batch_size``,
-    ``multiple_of``, ``headroom``: as in :func:`memfit.probe`. ``grow_after``, ``split``,
-    ``weight``: as in :class:`memfit.Guard`. ``monitor_path``: JSON lines for
-    ``memfit report`` (``{rank}`` is replaced by the rank).
+    Args:
+        probe: find the batch that fits and set the module's ``batch_arg_name``.
+        guard: recover from an OOM in a training step by splitting the batch (same
+            gradient, no sample lost).
+        monitor: record memory per batch and log it to the trainer's loggers.
+        target_batch_size: samples per optimizer step over all ranks, kept exact with
+            ``accumulate_grad_batches`` (needs ``probe``).
+        device: where memory is measured (see the module docstring).
+        batch_arg_name: the attribute (or hparam) that holds the batch size.
+        make_batch: ``make_batch(n)`` gives probe batches (default: samples of the train
+            dataloader's dataset).
+        max_batch_size: as in :func:`memfit.probe`.
+        multiple_of: as in :func:`memfit.probe`.
+        headroom: as in :func:`memfit.probe`.
+        grow_after: as in :class:`memfit.Guard`.
+        split: as in :class:`memfit.Guard`.
+        weight: as in :class:`memfit.Guard`.
+        monitor_path: JSON lines for ``memfit report`` (``{rank}`` is the rank).
     """
 
     def __init__(

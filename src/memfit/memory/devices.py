@@ -248,8 +248,11 @@ _SPEC_RE = re.compile(r"^(?P<kind>cuda|cpu|sim|auto)(?::(?P<arg>.+))?$")
 def device(spec: str | Device = "auto", *, memory: int | str | None = None) -> Device:
     """Make a device from a spec: ``cuda``, ``cuda:1``, ``cpu``, ``sim:8GiB`` or ``auto``.
 
-    ``auto`` is the first GPU when there is one, else a simulated GPU of 8 GiB.
-    ``memory`` caps a real GPU (emulating a smaller card) or sizes a ``sim`` device.
+    Args:
+        spec: ``cuda[:N]`` (a real GPU), ``cpu``, ``sim:SIZE`` (a GPU simulated on the
+            CPU), or ``auto`` (the first GPU when there is one, else ``sim:8GiB``); a device
+            is returned as it is.
+        memory: caps a real GPU (emulating a smaller card) or sizes a ``sim`` device.
     """
     if isinstance(spec, Device):
         return spec

@@ -105,16 +105,21 @@ def resolve_path(path: str | os.PathLike[str] | None) -> Path | None:
 class Monitor:
     """Record memory at each step boundary; find leaks, fragmentation and new-shape peaks.
 
-    ``device``: a memfit device or spec (``"sim:8GiB"``, ``"cuda:0"``); None means the
-    current CUDA device. The monitor enters the device for the duration of the ``with``
-    block (for ``sim:`` and ``cpu`` that is what counts the tensors).
-    ``path``: JSON lines file to write (replaced if it exists; ``{rank}`` is the rank).
-    ``every``: record one step in ``every`` (peaks then cover all the steps in between).
-    ``snapshot``: on CUDA, a pickle file for PyTorch's memory viewer
-    (https://pytorch.org/memory_viz): the allocator's history, bounded to ``max_entries``
-    events, is recorded while the monitor runs and dumped when it exits.
-    ``window``: consecutive recorded steps a leak must persist over.
-    ``synchronize``: wait for the GPU at each recorded step, so step times are exact.
+    Use it as a context manager and call :meth:`step` at the end of each training step.
+
+    Args:
+        device: a memfit device or spec (``"sim:8GiB"``, ``"cuda:0"``); None means the
+            current CUDA device. The monitor enters the device for the duration of the
+            ``with`` block (for ``sim:`` and ``cpu`` that is what counts the tensors).
+        path: JSON lines file to write (replaced if it exists; ``{rank}`` is the rank),
+            for ``memfit report``.
+        every: record one step in ``every`` (peaks then cover all the steps in between).
+        snapshot: on CUDA, a pickle file for PyTorch's memory viewer
+            (https://pytorch.org/memory_viz): the allocator's history is recorded while
+            the monitor runs and dumped when it exits.
+        max_entries: the most allocator events the snapshot keeps.
+        window: consecutive recorded steps a leak must persist over.
+        synchronize: wait for the GPU at each recorded step, so step times are exact.
     """
 
     def __init__(

@@ -250,6 +250,15 @@ def write_report(
 
     Everything is rendered before anything is written, and each file is written
     atomically, so a bad input leaves no file behind.
+
+    Args:
+        run: a :class:`~memfit.monitor.monitor.Monitor`, a run read back with
+            :func:`memfit.read_run`, or the path of a monitor's JSON lines file.
+        output: the HTML file to write (the PNG goes beside it).
+        probe: a probe result (object, dict, or ``memfit probe --json`` file).
+        estimate: an estimate result, likewise.
+        plan: a plan result, likewise.
+        title: the page's title.
     """
     if isinstance(run, Monitor):
         recorded = run.recorded()

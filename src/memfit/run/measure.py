@@ -57,7 +57,14 @@ def measure(
 ) -> Measurement:
     """Run ``steps`` optimizer steps at ``batch_size`` and report memory and time.
 
-    ``batch_size`` is the micro-batch: the samples of one forward/backward pass.
+    An OOM is a result (``fits=False``); every other error propagates unchanged.
+
+    Args:
+        workload: a :class:`memfit.Workload` or a reference, resolved once here.
+        batch_size: the micro-batch: the samples of one forward/backward pass.
+        device: where to run (see :func:`memfit.device`).
+        settings: precision, checkpointing and accumulation.
+        steps: optimizer steps to run (the second one has the optimizer state alive).
     """
     workload = load_workload(workload)
     gpu = make_device(device)

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ from memfit.errors import MemfitError
 
 __all__ = [
     "Settings",
+    "Precision",
+    "Checkpointing",
     "PRECISIONS",
     "CHECKPOINTING",
     "find_blocks",
@@ -38,17 +40,29 @@ __all__ = [
     "make_scaler",
 ]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "blocks")
+#: how forward and loss run: fp32, or bf16/fp16 autocast (fp16 with a GradScaler)
+Precision = Literal["fp32", "bf16", "fp16"]
+#: which activations backward recomputes: none, or the model's repeated blocks
+Checkpointing = Literal["none", "blocks"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
+CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "blocks")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The knobs memfit turns. Frozen: change one with :meth:`replace`."""
+    """The knobs memfit turns. Frozen: change one with :meth:`replace`.
 
-    precision: str = "fp32"
-    checkpointing: str = "none"
+    Args:
+        precision: ``fp32``, or ``bf16`` / ``fp16`` autocast (fp16 with a GradScaler).
+        checkpointing: ``none``, or ``blocks`` (the model's repeated blocks recompute
+            their activations in backward).
+        micro_batch_size: samples per forward/backward pass (None: not chosen yet).
+        accumulation_steps: micro-batches per optimizer step.
+    """
+
+    precision: Precision = "fp32"
+    checkpointing: Checkpointing = "none"
     micro_batch_size: int | None = None
     accumulation_steps: int = 1
 

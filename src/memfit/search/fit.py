@@ -110,7 +110,21 @@ def fit(
     run_doctor: bool = True,
     say: Say | None = None,
 ) -> FitResult:
-    """Doctor, estimate, probe, plan; then write the lock and the report."""
+    """Doctor, estimate, probe, plan; then write the lock and the report.
+
+    Args:
+        workload: a :class:`memfit.Workload` or a reference, resolved once here.
+        device: where to probe and plan (see :func:`memfit.device`).
+        target_batch_size: the global batch per optimizer step (default: the batch probe
+            recommends, times the world size).
+        headroom: the fraction of memory the recommendation leaves free.
+        max_batch_size: the largest batch worth considering.
+        world_size: ranks sharing the target batch.
+        lock_path: where to write ``memfit.lock``.
+        report_dir: where to write the HTML report and its figures (None: no report).
+        run_doctor: check the environment first.
+        say: called with one line as each phase starts (progress for people).
+    """
     from memfit.environment import system
     from memfit.estimator.estimate import estimate
     from memfit.search.probe import probe

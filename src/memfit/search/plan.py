@@ -39,7 +39,7 @@ from memfit.errors import DoesNotFitError, MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement, measure
-from memfit.run.settings import CHECKPOINTING, PRECISIONS, Settings, find_blocks
+from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
 
@@ -67,8 +67,8 @@ def candidates(
     target_batch_size: int,
     *,
     world_size: int = 1,
-    precisions: Sequence[str] = PRECISIONS,
-    checkpointing: Sequence[str] = CHECKPOINTING,
+    precisions: Sequence[Precision] = PRECISIONS,
+    checkpointing: Sequence[Checkpointing] = CHECKPOINTING,
 ) -> list[Settings]:
     """Every Settings whose micro-batch x accumulation x world size is the target exactly.
 
@@ -255,7 +255,9 @@ def trial(workload: Workload, settings: Settings, device: Device) -> Measurement
     return measure(workload, settings.micro_batch_size, device, settings.replace(accumulation_steps=1), steps=2)
 
 
-def _group_order(precisions: Sequence[str], checkpointing: Sequence[str]) -> list[tuple[str, str]]:
+def _group_order(
+    precisions: Sequence[Precision], checkpointing: Sequence[Checkpointing]
+) -> list[tuple[Precision, Checkpointing]]:
     return [(p, c) for c in checkpointing for p in precisions]
 
 
@@ -265,14 +267,36 @@ def plan(
     device: Device | str = "auto",
     *,
     world_size: int = 1,
-    precisions: Sequence[str] | None = None,
-    checkpointing: Sequence[str] | None = None,
+    precisions: Sequence[Precision] | None = None,
+    checkpointing: Sequence[Checkpointing] | None = None,
     reference_batch_size: int | None = None,
     predictor: Predictor | None = estimated_max_micro_batch,
     run_trial: Trial = trial,
     progress: Callable[[Candidate], None] | None = None,
 ) -> Plan:
-    """Find the fastest settings whose micro-batch x accumulation x world size is the target."""
+    """Find the fastest settings whose micro-batch x accumulation x world size is the target.
+
+    Candidates are every exact split of the target in each precision the device supports
+    and each checkpointing mode the model has; the estimator discards what cannot fit,
+    candidates a measured one already beats are skipped, and short trials measure the rest.
+
+    Args:
+        workload: a :class:`memfit.Workload` or a reference, resolved once here.
+        target_batch_size: samples per optimizer step over all ranks.
+        device: where the trials run (see :func:`memfit.device`).
+        world_size: ranks sharing the target batch.
+        precisions: the precisions to consider (default: all the device supports).
+        checkpointing: the checkpointing modes to consider (default: all the model has).
+        reference_batch_size: the batch the learning rate was tuned for, for advice on
+            scaling it.
+        predictor: the largest micro-batch that fits for a group of settings (default:
+            the estimator); ``None`` runs every candidate.
+        run_trial: runs one candidate (default: two optimizer steps of one micro-batch).
+        progress: called with each candidate after its trial.
+
+    Raises:
+        DoesNotFitError: no candidate fits.
+    """
     wl = load_workload(workload)
     gpu = make_device(device)
     precisions = [p for p in (precisions or PRECISIONS) if gpu.supports(p)]
@@ -354,7 +378,7 @@ def plan(
     )
 
 
-def _checkpointing_modes(model: nn.Module) -> list[str]:
+def _checkpointing_modes(model: nn.Module) -> list[Checkpointing]:
     """Offer checkpointing only where the model has blocks to checkpoint."""
     supported = getattr(model, "supports_gradient_checkpointing", False) or bool(find_blocks(model))
     return list(CHECKPOINTING) if supported else ["none"]

@@ -244,13 +244,29 @@ def probe(
 ) -> ProbeResult:
     """Find the largest batch that fits on ``device`` (exact) and the batch to use.
 
-    ``settings`` give precision, checkpointing and accumulation (the batch probed is the
-    micro-batch). ``guess`` is a predicted maximum, tried first, so a right guess ends the
-    search in two trials; ``guess="estimate"`` (the default) asks :func:`memfit.estimate`
-    for it on a device whose memory is known, and searches from batch 1 when the
-    estimator cannot run the step; ``guess=None`` always searches from batch 1. ``preserve`` lists further
-    objects to put back afterwards (a GradScaler, an LR scheduler). Under a process group
-    every rank must call this; all return the smallest maximum over the ranks.
+    Each trial runs two optimizer steps at one batch size; the search jumps along the
+    measured memory-per-sample line and proves its answer (the next size does not fit).
+    The model, the optimizers and the RNG states are restored bit for bit afterwards.
+    Under a process group every rank must call this; all return the smallest maximum.
+
+    Args:
+        workload: a :class:`memfit.Workload` or a reference (``"gpt2:n_layer=2"``,
+            ``"train.py:make_workload"``), resolved once here.
+        device: ``"cuda"``, ``"cuda:N"``, ``"sim:8GiB"``, ``"cpu"``, ``"auto"`` or a device.
+        settings: precision, checkpointing and accumulation (the batch probed is the
+            micro-batch); default fp32, no checkpointing.
+        max_batch_size: the largest batch worth considering (the search stops there).
+        multiple_of: only batch sizes that are multiples of this (8 suits tensor cores).
+        headroom: the fraction of memory the recommended batch leaves free.
+        guess: a predicted maximum tried first (a right guess ends the search in two
+            trials); ``"estimate"`` asks :func:`memfit.estimate` on a device whose memory
+            is known; ``None`` searches from batch 1.
+        progress: called as ``progress(batch, None)`` before and
+            ``progress(batch, measurement)`` after each trial.
+        preserve: further objects to restore afterwards (a GradScaler, an LR scheduler).
+
+    Raises:
+        DoesNotFitError: not even the smallest batch fits.
     """
     if not 0 <= headroom < 1:
         raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")

@@ -25,7 +25,13 @@ __all__ = ["load_workload"]
 
 
 def load_workload(ref: str | Workload) -> Workload:
-    """Resolve a workload reference (a zoo name with options, ``file.py:fn`` or ``module:fn``)."""
+    """Resolve a workload reference to a :class:`~memfit.workload.spec.Workload`.
+
+    Args:
+        ref: a zoo name with options (``"gpt2:n_layer=2,seq_len=128"``),
+            ``"path/to/file.py:function"`` or ``"package.module:function"``; a Workload is
+            returned as it is.
+    """
     if isinstance(ref, Workload):
         return ref
     if not isinstance(ref, str) or not ref.strip():

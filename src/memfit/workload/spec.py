@@ -54,6 +54,16 @@ class Workload:
         """True when ``model`` is a factory: every run gets a new instance."""
         return not isinstance(self.model, nn.Module)
 
+    def batch(self, size: int, device: torch.device | str | None = None) -> Any:
+        """A batch of ``size`` samples (``make_batch(size)``), moved to ``device`` when given.
+
+        Args:
+            size: samples in the batch.
+            device: where its tensors go (``"cuda"``, ``torch.device("cuda", 1)``).
+        """
+        made = self.make_batch(size)
+        return made if device is None else move_to(made, torch.device(device))
+
     def build_model(self) -> nn.Module:
         """The model to train: a fresh one from a factory, else the given instance."""
         if isinstance(self.model, nn.Module):
