@@ -7,13 +7,16 @@ leak's steps shaded, a new-shape peak marked).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit._plot import LEGEND_OUTSIDE, binary_unit, new_figure, png_bytes
 from memfit.monitor.findings import MemoryFinding
 from memfit.units import format_size
 
-__all__ = ["timeline_png"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["timeline_png", "timeline_figure"]
 
 
 def timeline_png(
@@ -22,6 +25,24 @@ def timeline_png(
     """Allocated, reserved and peak memory per step, OOMs marked, the capacity as a line.
 
     Findings are drawn where they happened: a leak's steps shaded, a new-shape peak marked.
+
+    Args:
+        header: the run's header record (``device``, ``description``, ``capacity``).
+        records: its step records, as a Monitor writes them.
+        findings: findings over those records, drawn at their steps.
+    """
+    return png_bytes(timeline_figure(header, records, findings))
+
+
+def timeline_figure(
+    header: Mapping[str, Any], records: Sequence[Mapping[str, Any]], findings: Sequence[MemoryFinding] = ()
+) -> Figure:
+    """The figure :func:`timeline_png` renders (public so what it plots can be read back).
+
+    Args:
+        header: the run's header record (``device``, ``description``, ``capacity``).
+        records: its step records, as a Monitor writes them.
+        findings: findings over those records, drawn at their steps.
     """
     figure = new_figure()
     axes = figure.subplots()
@@ -30,7 +51,7 @@ def timeline_png(
     if not records:
         axes.text(0.5, 0.5, "no steps recorded", ha="center", va="center", transform=axes.transAxes)
         axes.set_axis_off()
-        return png_bytes(figure)
+        return figure
     steps = [int(r["step"]) for r in records]
     series = {
         "peak allocated (per step)": [int(r.get("peak_allocated", r["allocated"])) for r in records],
@@ -99,4 +120,4 @@ def timeline_png(
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
     axes.legend(**LEGEND_OUTSIDE)
-    return png_bytes(figure)
+    return figure

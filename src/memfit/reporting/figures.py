@@ -1,19 +1,62 @@
 """Figures of results as PNG bytes: probe's trials, the estimate's breakdown and plan's
-candidates (a monitored run's timeline is :mod:`memfit.monitor.timeline`)."""
+candidates (a monitored run's timeline is :mod:`memfit.monitor.timeline`).
+
+Each ``*_png`` renders the matplotlib ``Figure`` its ``*_figure`` builds; the figure is
+public so what a chart plots can be read back (and tested) without decoding pixels.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit._plot import LEGEND_OUTSIDE, binary_unit, new_figure, png_bytes
 from memfit.units import format_size
 
-__all__ = ["probe_png", "estimate_png", "plan_png"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["probe_png", "estimate_png", "plan_png", "probe_figure", "estimate_figure", "plan_figure"]
 
 
 def probe_png(probe: Mapping[str, Any]) -> bytes | None:
-    """Peak memory (and throughput) per batch size tried; OOM trials marked. None without trials."""
+    """Peak memory (and throughput) per batch size tried; OOM trials marked. None without trials.
+
+    Args:
+        probe: a probe result as ``ProbeResult.to_dict()`` or ``memfit probe --json`` gives it.
+    """
+    figure = probe_figure(probe)
+    return None if figure is None else png_bytes(figure)
+
+
+def estimate_png(estimate: Mapping[str, Any]) -> bytes | None:
+    """The estimate's breakdown by category as bars, total and device memory as lines.
+
+    Args:
+        estimate: an estimate as ``Estimate.to_dict()`` or ``memfit estimate --json`` gives it.
+    """
+    figure = estimate_figure(estimate)
+    return None if figure is None else png_bytes(figure)
+
+
+def plan_png(plan: Mapping[str, Any]) -> bytes | None:
+    """Peak reserved memory against samples/s for each measured candidate. None without data.
+
+    Args:
+        plan: a plan as ``Plan.to_dict()`` or ``memfit plan --json`` gives it.
+    """
+    figure = plan_figure(plan)
+    return None if figure is None else png_bytes(figure)
+
+
+def probe_figure(probe: Mapping[str, Any]) -> Figure | None:
+    """The figure :func:`probe_png` renders: peak allocated and reserved per fitting batch
+    size as lines, OOM trials as crosses at the capacity, the capacity dashed, the largest
+    and recommended batch sizes as vertical lines, samples/s on a twin axis. None without trials.
+
+    Args:
+        probe: a probe result as ``ProbeResult.to_dict()`` or ``memfit probe --json`` gives it.
+    """
     trials = [t for t in probe.get("trials") or [] if isinstance(t, Mapping) and isinstance(t.get("batch_size"), int)]
     if not trials:
         return None
@@ -87,11 +130,17 @@ def probe_png(probe: Mapping[str, Any]) -> bytes | None:
         axes.legend(lines + more_lines, labels + more_labels, **{**LEGEND_OUTSIDE, "bbox_to_anchor": (1.1, 1.0)})
     else:
         axes.legend(**LEGEND_OUTSIDE)
-    return png_bytes(figure)
+    return figure
 
 
-def estimate_png(estimate: Mapping[str, Any]) -> bytes | None:
-    """The estimate's breakdown by category as bars, total and device memory as lines."""
+def estimate_figure(estimate: Mapping[str, Any]) -> Figure | None:
+    """The figure :func:`estimate_png` renders: one horizontal bar per breakdown category
+    (smallest first), the peak reserved and the device's memory as vertical lines. None
+    without a breakdown.
+
+    Args:
+        estimate: an estimate as ``Estimate.to_dict()`` or ``memfit estimate --json`` gives it.
+    """
     breakdown = estimate.get("breakdown")
     if not isinstance(breakdown, Mapping):
         return None
@@ -120,12 +169,17 @@ def estimate_png(estimate: Mapping[str, Any]) -> bytes | None:
         axes.legend(loc="lower right", fontsize=8)
     axes.set_xlabel(unit)
     axes.grid(True, axis="x", alpha=0.3)
-    return png_bytes(figure)
+    return figure
 
 
-def plan_png(plan: Mapping[str, Any]) -> bytes | None:
-    """Peak reserved memory against samples/s for each measured candidate: the Pareto
-    front joined, the recommendation starred, the capacity dashed. None without data."""
+def plan_figure(plan: Mapping[str, Any]) -> Figure | None:
+    """The figure :func:`plan_png` renders: peak reserved memory against samples/s for each
+    measured candidate (one marker per precision, hollow with checkpointing), the Pareto
+    front joined, the recommendation starred, the capacity dashed. None without data.
+
+    Args:
+        plan: a plan as ``Plan.to_dict()`` or ``memfit plan --json`` gives it.
+    """
     measured = [
         c
         for c in plan.get("candidates") or []
@@ -193,4 +247,4 @@ def plan_png(plan: Mapping[str, Any]) -> bytes | None:
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
     axes.legend(**LEGEND_OUTSIDE)
-    return png_bytes(figure)
+    return figure
