@@ -101,15 +101,17 @@ def test_freed_blocks_are_cached_and_reused():
 
 def test_best_fit_picks_the_smallest_block_that_is_large_enough():
     a = CachingAllocatorModel()
-    keep = [a.malloc(2 * MiB), None, a.malloc(2 * MiB), None, a.malloc(2 * MiB)]
-    big = a.malloc(6 * MiB)  # [2][6][2][rest] ...
-    small = a.malloc(3 * MiB)
-    a.free(big)
-    a.free(small)
-    # free blocks now: 6 MiB + the merged 3 MiB + rest; a 3 MiB request takes the smallest fit
-    a.malloc(3 * MiB)
-    assert reserved(a) == 20 * MiB
-    assert keep[0] is not None
+    first = a.malloc(8 * MiB)  # one 20 MiB segment: [8][2][6][2][rest 2]
+    a.malloc(2 * MiB)
+    second = a.malloc(6 * MiB)
+    a.malloc(2 * MiB)
+    a.free(first)
+    a.free(second)  # free: 8 MiB at the lowest address, then 6 MiB, then the 2 MiB rest
+    a.malloc(5 * MiB)  # the 6 MiB block, not the first large enough; its 1 MiB rest is not split off
+    assert allocated(a) == (2 + 2 + 6) * MiB
+    a.malloc(8 * MiB)  # so the 8 MiB block is still whole: no new segment
+    assert (allocated(a), reserved(a)) == (18 * MiB, 20 * MiB)
+    assert a.stats()["num_device_alloc"] == 1
 
 
 def test_free_neighbours_merge_back_into_one_block():

@@ -7,6 +7,10 @@ import sys
 import pytest
 import torch
 
+import memfit
+from memfit.run.settings import Settings
+from memfit.units import format_size
+
 TINY = "mlp:layers=2,width=32,features=16"
 
 
@@ -27,6 +31,10 @@ def test_measure_oom_is_a_result_not_an_error(run_cli):
 def test_measure_table(run_cli):
     status, out, _ = run_cli("measure", TINY, "--device", "sim:256MiB", "--batch-size", "8", "--precision", "bf16")
     assert status == 0 and "peak reserved" in out and "sim:256MiB" in out
+    expected = memfit.measure(TINY, 8, "sim:256MiB", Settings(precision="bf16"))  # the same run: sim is exact
+    (row,) = [line for line in out.splitlines() if line.split("│")[1:2] == ["          8 "]]
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]
+    assert cells[:4] == ["8", "yes", format_size(expected.peak_allocated), format_size(expected.peak_reserved)]
 
 
 USER_ERRORS = [

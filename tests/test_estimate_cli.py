@@ -7,6 +7,9 @@ import json
 import pytest
 
 from memfit.cli import main
+from memfit.estimator.estimate import estimate
+from memfit.memory.gpus import lookup
+from memfit.units import format_size
 
 TINY = "mlp:layers=1,width=32,features=32"
 
@@ -65,5 +68,15 @@ def test_table_shows_the_breakdown_and_the_verdict(capsys: pytest.CaptureFixture
         == 0
     )
     out = capsys.readouterr().out
-    for text in ("optimizer state", "activations", "ddp buckets", "fixed costs", "total", "fits", "RTX 3090"):
-        assert text in out
+    expected = estimate(TINY, 8, gpu="RTX 3090", world_size=2, shard="optimizer")
+    rows = {cells[0]: cells[1] for cells in table_rows(out) if len(cells) >= 2}
+    for category in ("optimizer state", "activations", "ddp buckets", "fixed costs"):
+        assert rows[category] == format_size(expected.breakdown[category])
+    assert rows["total"] == format_size(expected.total)
+    card = lookup("RTX 3090")
+    assert f"Batch 8 fits in {format_size(card.memory)} (RTX 3090)" in " ".join(out.split())
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The cells of each row of a rich table, stripped."""
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in out.splitlines() if line.startswith("│")]

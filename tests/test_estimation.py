@@ -16,7 +16,7 @@ from memfit.estimator.breakdown import Peak, analyze
 from memfit.estimator.estimate import apply_sharding, estimate, largest_fitting, resolve_target
 from memfit.estimator.fake import UnsupportedOperation, run_fake_steps
 from memfit.estimator.sharding import bucket_sizes, shard_states, uses_ddp_buckets
-from memfit.memory.gpus import lookup
+from memfit.memory.gpus import fixed_costs, lookup
 from memfit.units import GiB, KiB, MiB
 
 # mlp:layers=1,features=16,width=256,classes=16 at batch 256, by hand (fp32):
@@ -188,7 +188,8 @@ def test_gpu_target_subtracts_fixed_costs_and_counts_them_in_total() -> None:
     card = lookup("RTX 3090")
     assert target.budget == card.memory - card.context - card.cublas_workspace
     est = estimate("mlp:layers=1,width=32", 4, gpu="rtx3090", search=False)
-    assert est.total == est.peak_reserved + 400 * MiB + 8320 * KiB
+    assert est.fixed_costs == fixed_costs(card) and est.breakdown["fixed costs"] == sum(fixed_costs(card).values())
+    assert est.total == est.peak_reserved + card.context + card.cublas_workspace
     assert est.fits is True and est.memory == card.memory
 
 

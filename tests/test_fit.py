@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import memfit
+from memfit._plot import png_data_uri
+from memfit.reporting.figures import estimate_png, plan_png, probe_png
 from memfit.search.lock import load_lock
 
 TINY = "mlp:layers=2,width=32,features=16"
@@ -27,7 +29,15 @@ def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
     # the estimate was probe's starting point, and on sim it is exact
     assert result.estimate.max_batch_size == result.probe.max_batch_size
     page = (tmp_path / "report" / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 3  # probe, estimate and plan figures, embedded
+    # the figures beside the page, and embedded in it, are those of this fit's own results
+    for name, draw, result_of in (
+        ("probe", probe_png, result.probe),
+        ("estimate", estimate_png, result.estimate),
+        ("plan", plan_png, result.plan),
+    ):
+        png = (tmp_path / "report" / f"report-{name}.png").read_bytes()
+        assert png == draw(result_of.to_dict())
+        assert f'<img src="{png_data_uri(png)}" alt="{name} figure">' in page
     assert "Plan" in page and "Probe" in page and "Estimate" in page
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
         "report-estimate.png",

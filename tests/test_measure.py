@@ -1,6 +1,7 @@
 """measure() on the simulated GPU: numbers move the right way and are reproducible."""
 
 import pytest
+import torch
 
 import memfit
 from memfit.run.settings import Settings, find_blocks
@@ -22,14 +23,39 @@ def test_checkpointing_blocks_lowers_activation_memory_of_a_4_block_model():
     assert peak(BLOCKS4, 512, checkpointing="blocks") < peak(BLOCKS4, 512)
 
 
-def test_bf16_lowers_peak():
-    assert peak("convnet:blocks=2,channels=16,image_size=32", 32, precision="bf16") < peak(
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_lowers_peak(precision):
+    assert peak("convnet:blocks=2,channels=16,image_size=32", 32, precision=precision) < peak(
         "convnet:blocks=2,channels=16,image_size=32", 32
     )
 
 
-def test_fp16_runs_with_a_grad_scaler():
-    assert memfit.measure(BLOCKS4, 8, "sim:1GiB", Settings(precision="fp16")).fits
+@pytest.mark.parametrize(
+    ("precision", "dtype", "loss_scale"), [("fp16", torch.float16, 2.0**16), ("fp32", torch.float32, 1.0)]
+)
+def test_fp16_runs_under_autocast_with_a_grad_scaler(precision, dtype, loss_scale):
+    """fp16 computes the forward in float16 and backpropagates the loss scaled by GradScaler's
+    initial 2**16; the scaler steps the optimizer (fp32: no autocast, no scaling)."""
+    base = memfit.load_workload(BLOCKS4)
+    torch.manual_seed(0)
+    model = base.build_model()  # an instance: measure trains it in place, so its weights can be read after
+    activations: list[torch.dtype] = []
+    model.blocks[1].register_forward_hook(lambda module, args, out: activations.append(out.dtype))
+    gradients_of_the_loss: list[float] = []
+
+    def loss(m, batch):
+        value = base.loss(m, batch)
+        value.register_hook(lambda grad: gradients_of_the_loss.append(float(grad)))
+        return value
+
+    before = [p.detach().clone() for p in model.parameters()]
+    workload = memfit.Workload(model=model, make_batch=base.make_batch, loss=loss, name="blocks4")
+    assert memfit.measure(workload, 8, "sim:1GiB", Settings(precision=precision)).fits
+    assert activations == [dtype, dtype]  # two steps, one forward each
+    # d(scale * loss)/d(loss): the scale; unchanged at step 2, so step 1 found no inf and was not skipped
+    assert gradients_of_the_loss == [loss_scale, loss_scale]
+    after = list(model.parameters())  # stepped: every weight moved, and none overflowed
+    assert all(torch.isfinite(p).all() and not torch.equal(p, q) for p, q in zip(after, before))
 
 
 def test_same_numbers_on_every_run():

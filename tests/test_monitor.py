@@ -11,9 +11,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import memfit
+from memfit._plot import png_data_uri
 from memfit.errors import MemfitError
 from memfit.monitor.monitor import Monitor, jsonable_label
 from memfit.monitor.runfile import RecordedRun, read_run
+from memfit.monitor.timeline import timeline_png
 from memfit.units import format_size
 
 MiB = 2**20
@@ -357,7 +359,10 @@ def test_repr_html_shows_the_summary_findings_and_timeline():
             monitor.step()
     page = monitor._repr_html_()
     assert "Memory leak: +4.00 KiB per step" in page
-    assert "steps_recorded" in page and "data:image/png;base64," in page
+    assert "<th>steps_recorded</th><td>12</td>" in page and "<th>last_step</th><td>11</td>" in page
+    assert f'<th>allocated</th><td title="{12 * 4096} bytes">48.00 KiB</td>' in page  # 12 kept tensors
+    timeline = timeline_png(monitor.header, monitor.records, monitor.findings)
+    assert f'<img src="{png_data_uri(timeline)}" alt="memory timeline">' in page
 
 
 @pytest.mark.cuda

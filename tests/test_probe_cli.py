@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+import memfit
+from memfit.reporting.figures import probe_png
+
 FAST = "mlp:layers=1,width=8,features=16384"
 
 
@@ -25,7 +28,11 @@ def test_json_output_has_the_fields(run_cli) -> None:
 def test_table_and_summary(run_cli) -> None:
     status, out, _ = run_cli("probe", FAST, "--device", "sim:4MiB", "--headroom", "0")
     assert status == 0
-    assert "memfit probe" in out and "largest batch that fits:" in out and "recommended batch:" in out
+    found = memfit.probe(FAST, "sim:4MiB", headroom=0)  # sim is exact: the same answer as the command's
+    largest = found.max_batch_size
+    assert "memfit probe" in out and f"largest batch that fits: {largest} ({largest + 1} does not fit)" in out
+    assert f"recommended batch: {found.recommended_batch_size}: " in out
+    assert f"{len(found.trials)} trials, {found.trial_steps} optimizer steps" in out
 
 
 def test_memory_option_sizes_the_sim_device_and_max_batch_size_bounds_it(run_cli) -> None:
@@ -44,9 +51,9 @@ def test_plot_writes_a_png(run_cli, tmp_path: Path) -> None:
         "probe", FAST, "--device", "sim:4MiB", "--max-batch-size", "8", "--plot", str(target), "--json"
     )
     assert status == 0
-    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the plot is the figure of the very trials printed (what it draws: tests/test_report.py)
+    assert target.read_bytes() == probe_png(json.loads(out))
     assert [p.name for p in tmp_path.iterdir()] == ["probe.png"]  # no temp file left behind
-    json.loads(out)
 
 
 def test_does_not_fit_is_one_line_and_exit_2(run_cli) -> None:

@@ -255,7 +255,15 @@ def test_result_to_dict_has_the_json_fields() -> None:
     for key in ("max_batch_size", "recommended_batch_size", "trial_steps", "trials", "reason", "capacity"):
         assert key in data
     assert set(data["trials"][0]) >= {"batch_size", "fits", "peak_allocated", "peak_reserved", "samples_per_second"}
-    assert data["trials"][-1]["fits"] in (True, False)
+    assert [
+        (t["batch_size"], t["fits"], t["peak_allocated"], t["peak_reserved"], t["samples_per_second"])
+        for t in data["trials"]
+    ] == [(t.batch_size, t.fits, t.peak_allocated, t.peak_reserved, t.samples_per_second) for t in result.trials]
+    assert (data["max_batch_size"], data["recommended_batch_size"], data["reason"]) == (
+        result.max_batch_size,
+        result.recommended_batch_size,
+        result.reason,
+    )
     assert isinstance(result, ProbeResult) and data["capacity"] == 4 * MiB
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import json
 from html.parser import HTMLParser
 from pathlib import Path
@@ -14,11 +15,15 @@ from torch.nn import functional as F
 
 from memfit._html import html_table, is_byte_key, to_html
 from memfit._io import write_atomically
+from memfit._plot import png_bytes
 from memfit.monitor.findings import MemoryFinding
 from memfit.monitor.monitor import Monitor
-from memfit.monitor.timeline import timeline_png
+from memfit.monitor.runfile import read_run
+from memfit.monitor.timeline import timeline_figure, timeline_png
+from memfit.reporting.figures import estimate_figure, estimate_png, plan_figure, plan_png, probe_figure, probe_png
 from memfit.reporting.pages import write_report
 from memfit.run.measure import Measurement
+from memfit.units import format_size
 
 MiB = 2**20
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -162,10 +167,97 @@ def test_to_html(obj, expected):
 
 # -- figures ---------------------------------------------------------------------------
 
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
-def test_timeline_png_draws_with_and_without_steps():
-    header = {"device": "sim:1GiB", "capacity": 2**30}
-    records = [
+
+def lines_of(axes) -> dict[str, list[tuple[float, float]]]:
+    """Each plotted line's (x, y) points by its label (an axhline/axvline spans 0..1 across)."""
+    return {line.get_label(): [tuple(point) for point in line.get_xydata().tolist()] for line in axes.get_lines()}
+
+
+def points_of(axes) -> dict[str, list[tuple[float, float]]]:
+    """Each scatter's (x, y) points by its label."""
+    return {c.get_label(): [tuple(point) for point in c.get_offsets().tolist()] for c in axes.collections}
+
+
+def spans_of(axes) -> dict[str, tuple[float, float]]:
+    """Each shaded span's (first x, last x) by its label."""
+    spans = {}
+    for patch in axes.patches:
+        xs = patch.get_patch_transform().transform(patch.get_path().vertices)[:, 0]
+        spans[patch.get_label()] = (float(xs.min()), float(xs.max()))
+    return spans
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk."""
+    assert png[:8] == PNG_SIGNATURE and png[12:16] == b"IHDR"
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+
+
+def test_probe_figure_plots_each_fitting_trials_peaks_the_ooms_at_the_capacity_and_the_chosen_sizes():
+    figure = probe_figure({**PROBE, "capacity": 1024 * MiB})
+    memory, speed = figure.axes
+    assert memory.get_ylabel() == "GiB"  # the capacity, 1 GiB, is the largest value
+    fitting = [t for t in PROBE["trials"] if t["fits"]]  # batch 64 ran out of memory: its peak is partial
+    lines = lines_of(memory)
+    for key in ("peak_allocated", "peak_reserved"):
+        assert lines[key.replace("_", " ")] == [(t["batch_size"], t[key] / 2**30) for t in fitting]
+    assert points_of(memory) == {"out of memory": [(64, 1.0)]}  # drawn at the capacity
+    assert {y for _, y in lines["capacity 1.00 GiB"]} == {1.0}
+    assert {x for x, _ in lines["max batch size = 48"]} == {48}
+    assert {x for x, _ in lines["recommended batch size = 32"]} == {32}
+    assert lines_of(speed) == {"samples/s": [(8, 410.0), (32, 990.5), (48, 1002.0)]}
+
+
+def test_probe_figure_without_a_capacity_marks_an_oom_at_its_own_peak():
+    figure = probe_figure(PROBE)
+    memory, _ = figure.axes
+    assert memory.get_ylabel() == "GiB"  # the OOM trial's 1024 MiB
+    assert points_of(memory) == {"out of memory": [(64, 1.0)]}
+    assert not any(label.startswith("capacity") for label in lines_of(memory))
+
+
+def test_estimate_figure_draws_one_bar_per_category_and_the_peak_and_device_memory():
+    (axes,) = estimate_figure(ESTIMATE).axes
+    assert axes.get_xlabel() == "GiB"
+    ordered = sorted(ESTIMATE["breakdown"].items(), key=lambda item: item[1])
+    assert [label.get_text() for label in axes.get_yticklabels()] == [name for name, _ in ordered]
+    assert [bar.get_width() for bar in axes.patches] == [value / 2**30 for _, value in ordered]
+    assert [text.get_text() for text in axes.texts] == [" 100.00 MiB", " 100.00 MiB", " 200.00 MiB", " 300.00 MiB"]
+    lines = lines_of(axes)
+    assert {x for x, _ in lines["peak reserved 750.00 MiB"]} == {750 / 1024}
+    assert {x for x, _ in lines["memory 1.00 GiB"]} == {1.0}
+    assert axes.get_title(loc="left") == "memfit estimate · batch size 32"
+
+
+def test_plan_figure_places_each_measured_candidate_the_front_the_recommendation_and_the_capacity():
+    bf16, fp32_blocks = PLAN["candidates"]
+    unmeasured = {"precision": "fp16", "checkpointing": "none", "micro_batch_size": 64, "status": "dominated"}
+    failed = {**bf16, "precision": "fp16", "fits": False, "samples_per_second": None}
+    plan = {
+        **PLAN,
+        "candidates": [*PLAN["candidates"], unmeasured, failed],
+        "pareto": [bf16, fp32_blocks],
+        "recommended": bf16,
+        "capacity": 1024 * MiB,
+    }
+    (axes,) = plan_figure(plan).axes
+    assert axes.get_xlabel() == "peak reserved (GiB)"
+    at = 1 / 1024  # one MiB on this axis
+    assert points_of(axes) == {
+        "bf16": [(900 * at, 1200.0)],
+        "fp32, checkpointing": [(980 * at, 800.0)],
+        "recommended": [(900 * at, 1200.0)],
+    }
+    lines = lines_of(axes)
+    assert lines["Pareto front"] == [(900 * at, 1200.0), (980 * at, 800.0)]
+    assert {x for x, _ in lines["capacity 1.00 GiB"]} == {1.0}
+    assert [text.get_text() for text in axes.texts] == ["16×2", "32×1"]  # micro-batch × accumulation
+
+
+def timeline_records(steps: int = 4) -> list[dict]:
+    return [
         {
             "step": i,
             "allocated": MiB * i,
@@ -173,10 +265,69 @@ def test_timeline_png_draws_with_and_without_steps():
             "peak_allocated": MiB * (i + 1),
             "num_ooms": int(i == 3),
         }
-        for i in range(4)
+        for i in range(steps)
     ]
-    for png in (timeline_png(header, records), timeline_png(header, [])):
-        assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
+
+
+def test_timeline_figure_plots_each_records_memory_the_oom_the_capacity_and_the_findings():
+    leak = MemoryFinding(kind="leak", title="Memory leak: +1 B per step", summary="", first_step=1, last_step=3)
+    shape = MemoryFinding(
+        kind="shape_peak", title="New peak", summary="", first_step=2, last_step=2, evidence={"events": [{"step": 2}]}
+    )
+    figure = timeline_figure({"device": "sim:8MiB", "capacity": 8 * MiB}, timeline_records(), [leak, shape])
+    (axes,) = figure.axes
+    assert axes.get_ylabel() == "MiB" and axes.get_title(loc="left") == "memfit monitor · sim:8MiB"
+    lines = lines_of(axes)
+    assert lines["peak allocated (per step)"] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert lines["reserved"] == [(0, 0), (1, 2), (2, 4), (3, 6)]
+    assert lines["allocated (at step end)"] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert {y for _, y in lines["capacity 8.00 MiB"]} == {8}
+    assert {x for x, _ in lines["new largest input shape"]} == {2}
+    assert points_of(axes) == {"out of memory": [(3, 6)]}  # the step whose OOM count rose, at its reserved
+    assert spans_of(axes) == {"Memory leak: +1 B per step": (1, 3)}
+
+
+def test_timeline_figure_of_a_large_card_notes_the_capacity_instead_of_flattening_the_lines():
+    (axes,) = timeline_figure({"device": "sim:1GiB", "capacity": 2**30}, timeline_records()).axes
+    assert axes.get_ylabel() == "MiB"
+    assert not any(label.startswith("capacity") for label in lines_of(axes))
+    assert [text.get_text() for text in axes.texts] == ["capacity 1.00 GiB (off the chart)"]
+
+
+def test_timeline_figure_without_steps_says_so():
+    (axes,) = timeline_figure({"device": "sim:1GiB", "capacity": 2**30}, []).axes
+    assert [text.get_text() for text in axes.texts] == ["no steps recorded"]
+    assert axes.get_lines() == [] and not axes.axison
+
+
+@pytest.mark.parametrize(
+    ("draw", "build", "args", "size"),
+    [
+        (probe_png, probe_figure, (PROBE,), (1000, 400)),
+        (estimate_png, estimate_figure, (ESTIMATE,), (800, 242)),  # 0.9 + 0.38 per bar, inches
+        (plan_png, plan_figure, (PLAN,), (900, 420)),
+        (timeline_png, timeline_figure, ({"device": "sim:1GiB"}, timeline_records()), (1000, 420)),
+        (timeline_png, timeline_figure, ({"device": "sim:1GiB"}, []), (1000, 420)),
+    ],
+)
+def test_each_png_is_its_figure_rendered(draw, build, args, size):
+    png = draw(*args)
+    assert png_size(png) == size
+    assert png == png_bytes(build(*args))  # rendering is deterministic: the same figure, the same bytes
+
+
+@pytest.mark.parametrize(
+    ("draw", "result"),
+    [
+        (probe_png, {"trials": []}),
+        (probe_png, {"trials": [{"fits": True}]}),  # a trial without a batch size
+        (estimate_png, {"breakdown": {}}),
+        (estimate_png, {"batch_size": 4}),
+        (plan_png, {"candidates": [{"fits": False}]}),
+    ],
+)
+def test_results_without_data_have_no_figure(draw, result):
+    assert draw(result) is None
 
 
 # -- the page and the command ----------------------------------------------------------
@@ -273,8 +424,10 @@ def test_report_command_renders_the_png_and_a_self_contained_html(tmp_path, leak
     assert len(page.images) == 4  # the timeline, the probe's, the estimate's and the plan's figures
     assert all(src.startswith("data:image/png;base64,") for src in page.images)
     figures = [base64.b64decode(src.split(",", 1)[1]) for src in page.images]
-    assert all(figure.startswith(PNG_SIGNATURE) for figure in figures)
-    assert figures[0] == png.read_bytes()  # the PNG beside the page is the timeline it shows
+    run = read_run(leaking_run)
+    # the page shows the run's timeline (the PNG beside it) and each result's own figure
+    assert figures[0] == png.read_bytes() == timeline_png(run.header, run.records, run.findings())
+    assert figures[1:] == [probe_png(PROBE), estimate_png(ESTIMATE), plan_png(PLAN)]
     text = " ".join(page.text)
     assert "Memory leak: +11.50 KiB per step" in text
     assert "total = total + loss" in text
@@ -336,7 +489,8 @@ def test_missing_run_file_is_a_usage_error(tmp_path, run_cli):
 def test_write_report_takes_result_objects(tmp_path, leaking_run):
     measurement = Measurement(batch_size=8, fits=True, peak_allocated=MiB, peak_reserved=2 * MiB, seconds_per_step=0.1)
     files = write_report(leaking_run, tmp_path / "r.html", plan=measurement)
-    assert files.png.read_bytes().startswith(PNG_SIGNATURE)
+    run = read_run(leaking_run)
+    assert files.png.read_bytes() == timeline_png(run.header, run.records, run.findings())
     assert '<th>peak_reserved</th><td title="2097152 bytes">2.00 MiB</td>' in files.html.read_text()
 
 
@@ -360,14 +514,47 @@ def test_write_atomically_replaces_and_leaves_no_temp_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
 
 
+def td(value: int) -> str:
+    """A size's cell as a reader sees it: the size for people, the bytes in the tooltip."""
+    return f'<td title="{value} bytes">{format_size(value)}</td>'
+
+
 def test_results_show_as_tables_in_a_notebook():
     import memfit
     from memfit.search.plan import plan
 
-    m = memfit.measure("mlp:layers=1,width=8,features=8", 4, "sim:64MiB")
-    e = memfit.estimate("mlp:layers=1,width=8,features=8", 4, device="sim:64MiB")
-    p = memfit.probe("mlp:layers=1,width=8,features=8", "sim:4MiB", max_batch_size=8)
-    pl = plan("mlp:layers=1,width=8,features=8", 8, "sim:64MiB", precisions=["fp32"])
-    for result in (m, e, p, pl):
-        page = result._repr_html_()
-        assert page.startswith("<") and "<table" in page
+    tiny = "mlp:layers=1,width=8,features=8"
+    m = memfit.measure(tiny, 4, "sim:64MiB")
+    e = memfit.estimate(tiny, 4, device="sim:64MiB")
+    p = memfit.probe(tiny, "sim:4MiB", max_batch_size=8)
+    pl = plan(tiny, 8, "sim:64MiB", precisions=["fp32"])
+
+    # every tensor of this tiny MLP is under 1 MiB: one 2 MiB small-pool segment holds them all
+    assert (m.fits, m.peak_reserved) == (True, 2 * MiB)
+    page = m._repr_html_()
+    assert "<th>batch_size</th><td>4</td>" in page and "<th>fits</th><td>yes</td>" in page
+    assert '<th>peak_reserved</th><td title="2097152 bytes">2.00 MiB</td>' in page
+    assert f"<th>peak_allocated</th>{td(m.peak_allocated)}" in page
+
+    page = e._repr_html_()
+    assert "<th>batch_size</th><td>4</td>" in page
+    assert '<th>memory</th><td title="67108864 bytes">64.00 MiB</td>' in page
+    assert f"<th>peak_reserved</th>{td(e.peak_reserved)}" in page
+    for category, size in e.breakdown.items():  # the breakdown nests as a table of sizes
+        assert f"<th>{category}</th>{td(size)}" in page
+
+    page = p._repr_html_()
+    assert (p.max_batch_size, p.limit) == (8, "max_batch_size")  # the whole range fits on 4 MiB
+    assert "<th>max_batch_size</th><td>8</td>" in page and "<th>limit</th><td>max_batch_size</td>" in page
+    assert f"<th>reason</th><td>{html.escape(p.reason)}</td>" in page
+    assert '<th>capacity</th><td title="4194304 bytes">4.00 MiB</td>' in page
+    for trial in p.trials:  # one row per trial: batch size, fits, then the peaks
+        assert f"<tr><td>{trial.batch_size}</td><td>yes</td>{td(trial.peak_allocated)}{td(trial.peak_reserved)}" in page
+
+    page = pl._repr_html_()
+    best = pl.recommended
+    assert (best.settings.micro_batch_size, best.settings.accumulation_steps) == (8, 1)
+    recommended = page[page.index("<th>recommended</th>") : page.index("<th>reason</th>")]
+    assert "<th>micro_batch_size</th><td>8</td>" in recommended and "<th>precision</th><td>fp32</td>" in recommended
+    assert f"<th>peak_reserved</th>{td(best.measurement.peak_reserved)}" in recommended
+    assert f"<th>reason</th><td>{html.escape(pl.reason)}</td>" in page

@@ -68,12 +68,23 @@ def test_autograd_and_optimizer_memory_is_seen():
         assert gpu.memory_allocated() == 4 * params + 2 * 512
 
 
-def test_budget_resets_between_devices_and_back_to_baseline_after_a_run():
+def test_each_device_has_its_own_budget_and_both_are_back_at_baseline_after_a_run():
     wl = memfit.load_workload("mlp:layers=2,width=64,features=32")
-    gpu = memfit.device("sim:256MiB")
-    run_steps(wl, memfit.Settings(micro_batch_size=16), gpu, steps=2)
+    settings = memfit.Settings(micro_batch_size=4096)  # a step peaks at 8 MiB reserved
+    small, large = memfit.device("sim:4MiB"), memfit.device("sim:256MiB")
+    with small:
+        kept = torch.empty(MiB // 4)  # 1 MiB on the small device, alive through both runs
+    with pytest.raises(torch.OutOfMemoryError):
+        run_steps(wl, settings, small, steps=2)
+    run_steps(wl, settings, large, steps=2)  # neither the small device's tensor nor its OOM counts here
     gc.collect()
-    assert gpu.memory_allocated() == 0
+    assert (small.memory_allocated(), large.memory_allocated()) == (MiB, 0)
+    small_stats, large_stats = small.memory_stats(), large.memory_stats()
+    assert (small_stats["num_ooms"], large_stats["num_ooms"]) == (1, 0)
+    assert small_stats["reserved_bytes.all.peak"] <= 4 * MiB < large_stats["reserved_bytes.all.peak"]
+    del kept
+    gc.collect()
+    assert small.memory_allocated() == 0
 
 
 @pytest.mark.parametrize(

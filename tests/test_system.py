@@ -256,10 +256,15 @@ def test_torch_facts_when_the_interpreter_cannot_run(tmp_path):
 # -- Python, host, environment (real) ----------------------------------------------------
 
 
-def test_python_facts_of_this_interpreter():
+def test_python_facts_of_this_interpreter(monkeypatch):
+    monkeypatch.setenv("CONDA_PREFIX", "/opt/conda/envs/train")
+    monkeypatch.setenv("CONDA_DEFAULT_ENV", "train")
     facts = LiveProbe().python()
-    assert facts.executable == sys.executable and facts.prefix == sys.prefix
-    assert facts.manager == ("venv" if sys.prefix != sys.base_prefix else facts.manager)
+    assert facts.version == "{}.{}.{}".format(*sys.version_info[:3])
+    assert facts.implementation.lower() == sys.implementation.name
+    assert (facts.executable, facts.prefix, facts.base_prefix) == (sys.executable, sys.prefix, sys.base_prefix)
+    assert (facts.conda_prefix, facts.conda_env) == ("/opt/conda/envs/train", "train")
+    # which manager that makes is test_python_manager's
 
 
 @pytest.mark.parametrize(
@@ -282,7 +287,11 @@ def test_host_facts_of_this_machine():
     if os.path.isdir("/dev/shm"):
         shm = os.statvfs("/dev/shm")
         assert facts.shm_total == shm.f_blocks * shm.f_frsize
-    assert facts.ram_total is None or facts.ram_total >= (facts.ram_available or 0) > 0
+    if os.path.exists("/proc/meminfo"):  # Linux: the kernel's page count says the same as meminfo
+        assert facts.ram_total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        assert facts.ram_total >= (facts.ram_available or 0) > 0
+    else:
+        assert (facts.ram_total, facts.ram_available) == (None, None)
 
 
 def test_environ_reads_only_the_relevant_variables(monkeypatch):
