@@ -196,15 +196,15 @@ def png_size(png: bytes) -> tuple[int, int]:
 
 
 def test_probe_figure_plots_each_fitting_trials_peaks_the_ooms_at_the_capacity_and_the_chosen_sizes():
-    figure = probe_figure({**PROBE, "capacity": 1024 * MiB})
+    figure = probe_figure({**PROBE, "capacity": 1536 * MiB})
     memory, speed = figure.axes
-    assert memory.get_ylabel() == "GiB"  # the capacity, 1 GiB, is the largest value
+    assert memory.get_ylabel() == "GiB"  # the capacity, 1.5 GiB, is the largest value
     fitting = [t for t in PROBE["trials"] if t["fits"]]  # batch 64 ran out of memory: its peak is partial
     lines = lines_of(memory)
     for key in ("peak_allocated", "peak_reserved"):
         assert lines[key.replace("_", " ")] == [(t["batch_size"], t[key] / 2**30) for t in fitting]
-    assert points_of(memory) == {"out of memory": [(64, 1.0)]}  # drawn at the capacity
-    assert {y for _, y in lines["capacity 1.00 GiB"]} == {1.0}
+    assert points_of(memory) == {"out of memory": [(64, 1.5)]}  # at the capacity, not its partial peak
+    assert {y for _, y in lines["capacity 1.50 GiB"]} == {1.5}
     assert {x for x, _ in lines["max batch size = 48"]} == {48}
     assert {x for x, _ in lines["recommended batch size = 32"]} == {32}
     assert lines_of(speed) == {"samples/s": [(8, 410.0), (32, 990.5), (48, 1002.0)]}
@@ -218,13 +218,18 @@ def test_probe_figure_without_a_capacity_marks_an_oom_at_its_own_peak():
     assert not any(label.startswith("capacity") for label in lines_of(memory))
 
 
-def test_estimate_figure_draws_one_bar_per_category_and_the_peak_and_device_memory():
-    (axes,) = estimate_figure(ESTIMATE).axes
+def test_estimate_figure_draws_one_bar_per_category_smallest_first_and_the_peak_and_device_memory():
+    breakdown = {"activation": 300 * MiB, "parameter": 100 * MiB, "optimizer": 200 * MiB, "gradient": 50 * MiB}
+    (axes,) = estimate_figure({**ESTIMATE, "breakdown": breakdown}).axes
     assert axes.get_xlabel() == "GiB"
-    ordered = sorted(ESTIMATE["breakdown"].items(), key=lambda item: item[1])
-    assert [label.get_text() for label in axes.get_yticklabels()] == [name for name, _ in ordered]
-    assert [bar.get_width() for bar in axes.patches] == [value / 2**30 for _, value in ordered]
-    assert [text.get_text() for text in axes.texts] == [" 100.00 MiB", " 100.00 MiB", " 200.00 MiB", " 300.00 MiB"]
+    assert [label.get_text() for label in axes.get_yticklabels()] == [
+        "gradient",
+        "parameter",
+        "optimizer",
+        "activation",
+    ]
+    assert [bar.get_width() for bar in axes.patches] == [50 / 1024, 100 / 1024, 200 / 1024, 300 / 1024]
+    assert [text.get_text() for text in axes.texts] == [" 50.00 MiB", " 100.00 MiB", " 200.00 MiB", " 300.00 MiB"]
     lines = lines_of(axes)
     assert {x for x, _ in lines["peak reserved 750.00 MiB"]} == {750 / 1024}
     assert {x for x, _ in lines["memory 1.00 GiB"]} == {1.0}
