@@ -1,6 +1,6 @@
 """Workload references: the strings every memfit command accepts, resolved to a Workload.
 
-- a zoo name with options: ``gpt2``, ``gpt2:n_layer=2,seq_len=128`` (see :mod:`memfit.workload.zoo`);
+- a zoo name with options: ``gpt``, ``gpt2:n_layer=2,seq_len=128`` (see :mod:`memfit.workload.zoo`);
 - ``path/to/file.py:function`` or ``package.module:function``: the function takes no
   required arguments and returns a :class:`~memfit.workload.spec.Workload`.
 
@@ -35,7 +35,7 @@ def load_workload(ref: str | Workload) -> Workload:
     if isinstance(ref, Workload):
         return ref
     if not isinstance(ref, str) or not ref.strip():
-        raise WorkloadError("empty workload reference: give a zoo name (such as mlp or gpt2) or file.py:function")
+        raise WorkloadError("empty workload reference: give a zoo name (such as mlp or gpt) or file.py:function")
     ref = ref.strip()
     head, sep, tail = ref.partition(":")
     if head in zoo.ENTRIES:

@@ -1,13 +1,19 @@
 """Built-in workloads, randomly initialised, nothing downloaded.
 
 A zoo reference is a name, optionally followed by ``:`` and comma-separated options:
-``gpt2``, ``gpt2:n_layer=2,seq_len=128``, ``resnet50:image_size=64``.
+``gpt``, ``gpt:layers=2,seq_len=128``, ``resnet50:image_size=64``.
+
+The pure torch entries (``mlp``, ``convnet``, ``gpt``) need only memfit's core
+dependencies; the others are built from transformers config classes and need the extra
+(``pip install 'memfit[hf]'``).
 
 ==============  ===============================================  =====================================
 name            model (default shapes)                           options
 ==============  ===============================================  =====================================
 ``mlp``         pure torch MLP, 4 blocks of 1024, 1024 features  layers, width, features, classes
 ``convnet``     pure torch CNN, 4 conv blocks, 64 ch, 64x64 RGB  blocks, channels, image_size, classes
+``gpt``         GPT decoder in pure torch (nanoGPT-style),       layers, embd, heads, seq_len, vocab,
+                GPT-2 124M shapes, sequence 1024                 dropout, bias, tied
 ``gpt2``        GPT-2 124M, causal LM, sequence 1024             seq_len + GPT2Config fields
 ``bert-base``   BERT base, masked LM, sequence 512               seq_len + BertConfig fields
 ``vit-base``    ViT-B/16, image classification, 224x224          image_size + ViTConfig fields
@@ -16,7 +22,9 @@ name            model (default shapes)                           options
 ``llama-7b``    Llama 2 7B shapes, causal LM, sequence 2048      seq_len + LlamaConfig fields
 ==============  ===============================================  =====================================
 
-Every transformers entry also accepts ``layers``, ``hidden``, ``heads`` and
+``gpt``'s ``dropout`` (0.1, as GPT-2) is a probability in [0, 1); ``bias`` (biases in
+the linear layers and LayerNorms) and ``tied`` (the LM head shares the token embedding)
+are true or false. Every transformers entry also accepts ``layers``, ``hidden``, ``heads`` and
 ``intermediate`` as short names for its config's fields, and ``classes`` / ``vocab``.
 Batches are worst-case: every sequence at full length, every token a label.
 
@@ -37,14 +45,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import WorkloadError
+from memfit.workload.gpt import GPT, GPTShape
 from memfit.workload.spec import Workload
 
 __all__ = ["ENTRIES", "DEFAULT_WORKLOAD", "TINY", "build", "parse_options", "names"]
 
-#: what every command runs when no workload is given: a small GPT-2 (2 layers, width 128,
-#: 64 tokens, a 4096-token vocabulary), so `memfit fit` on a laptop CPU, with its trials in
-#: three precisions on a simulated GPU, finishes in about a minute.
-DEFAULT_WORKLOAD = "gpt2:n_layer=2,n_embd=128,n_head=4,seq_len=64,vocab_size=4096"
+#: what every command runs when no workload is given: a small pure-torch GPT (2 layers,
+#: width 128, 64 tokens, a 4096-token vocabulary), so it needs no optional dependency, and
+#: `memfit fit` on a laptop CPU, with its trials in three precisions on a simulated GPU,
+#: finishes in well under a minute.
+DEFAULT_WORKLOAD = "gpt:layers=2,embd=128,heads=4,seq_len=64,vocab=4096"
 
 
 def parse_options(text: str) -> dict[str, Any]:
@@ -164,6 +174,46 @@ def _convnet(blocks: int = 4, channels: int = 64, image_size: int = 64, classes:
         loss=_classification_loss,
         info={"image_size": image_size, "channels": channels, "blocks": blocks},
     )
+
+
+def _gpt(
+    layers: int = 12,
+    embd: int = 768,
+    heads: int = 12,
+    seq_len: int = 1024,
+    vocab: int = 50257,
+    dropout: float = 0.1,
+    bias: bool = True,
+    tied: bool = True,
+) -> Workload:
+    if embd % heads:
+        raise WorkloadError(f"zoo workload 'gpt': embd={embd} must be divisible by heads={heads}")
+    shape = GPTShape(layers, embd, heads, seq_len, vocab, float(dropout), bias, tied)
+
+    def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # worst case: every sequence at full length, every token a label (targets are
+        # the next tokens in real data; random ones cost the same memory)
+        return torch.randint(0, vocab, (n, seq_len)), torch.randint(0, vocab, (n, seq_len))
+
+    return Workload(
+        model=lambda: GPT(shape),
+        make_batch=make_batch,
+        loss=_language_model_loss,
+        info={
+            "seq_len": seq_len,
+            "layers": layers,
+            "embd": embd,
+            "heads": heads,
+            "vocab": vocab,
+            "description": "GPT decoder in pure torch (nanoGPT-style)",
+        },
+    )
+
+
+def _language_model_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    ids, targets = batch
+    logits = model(ids)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 # -- transformers models ------------------------------------------------------------------
@@ -361,7 +411,7 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
     ),
 }
 
-_TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {"mlp": _mlp, "convnet": _convnet}
+_TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {"mlp": _mlp, "convnet": _convnet, "gpt": _gpt}
 
 #: every zoo name, in the order of the table above
 ENTRIES: tuple[str, ...] = tuple(_TORCH_ENTRIES) + tuple(_HF_ENTRIES)
@@ -372,6 +422,7 @@ ENTRIES: tuple[str, ...] = tuple(_TORCH_ENTRIES) + tuple(_HF_ENTRIES)
 TINY: dict[str, str] = {
     "mlp": "mlp:layers=2,width=32,features=16",
     "convnet": "convnet:blocks=2,channels=8,image_size=16",
+    "gpt": "gpt:layers=2,embd=32,heads=2,seq_len=16,vocab=128",
     "gpt2": "gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=16,vocab_size=128",
     "bert-base": "bert-base:layers=1,hidden=32,heads=2,intermediate=64,seq_len=16,vocab_size=128",
     "vit-base": "vit-base:layers=1,hidden=32,heads=2,intermediate=64,image_size=32,classes=10",
@@ -381,12 +432,36 @@ TINY: dict[str, str] = {
 }
 
 
+def _check_option(name: str, key: str, value: Any, default: Any) -> None:
+    """Refuse a pure torch entry's option whose value is not of its default's kind.
+
+    Why by the default: every option of these entries is a size (a positive integer), a
+    probability (a float in [0, 1)) or a switch (a bool), and its default says which.
+    """
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise WorkloadError(f"zoo workload {name!r}: {key} must be true or false, not {value!r}")
+    elif isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise WorkloadError(f"zoo workload {name!r}: {key} must be a probability in [0, 1), not {value!r}")
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise WorkloadError(f"zoo workload {name!r}: {key} must be a positive integer, not {value!r}")
+
+
 def names() -> list[str]:
     return list(ENTRIES)
 
 
 def build(name: str, options_text: str = "") -> Workload:
-    """Build the zoo workload ``name`` with options such as ``"n_layer=2,seq_len=128"``."""
+    """Build the zoo workload ``name`` with options such as ``"layers=2,seq_len=128"``.
+
+    Args:
+        name: a zoo name (:data:`ENTRIES`).
+        options_text: comma-separated ``key=value`` options, such as ``"layers=2,seq_len=128"``.
+
+    A transformers entry without transformers installed, an unknown name or a bad option
+    is refused with a one-line :class:`~memfit.errors.WorkloadError`.
+    """
     options = parse_options(options_text)
     if name in _TORCH_ENTRIES:
         factory = _TORCH_ENTRIES[name]
@@ -396,8 +471,7 @@ def build(name: str, options_text: str = "") -> Workload:
         for key, value in options.items():
             if key not in allowed:
                 raise WorkloadError(f"unknown option {key!r} for zoo workload {name!r}: use {', '.join(allowed)}")
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise WorkloadError(f"zoo workload {name!r}: {key} must be a positive integer, not {value!r}")
+            _check_option(name, key, value, allowed[key].default)
         workload = factory(**options)
     elif name in _HF_ENTRIES:
         workload = _HF_ENTRIES[name].build(options, name)
