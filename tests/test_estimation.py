@@ -16,7 +16,7 @@ from memfit.estimator.breakdown import Peak, analyze
 from memfit.estimator.estimate import apply_sharding, estimate, largest_fitting, resolve_target
 from memfit.estimator.fake import UnsupportedOperation, run_fake_steps
 from memfit.estimator.sharding import bucket_sizes, shard_states, uses_ddp_buckets
-from memfit.memory.gpus import fixed_costs, lookup
+from memfit.memory.gpus import lookup
 from memfit.units import GiB, KiB, MiB
 
 # mlp:layers=1,features=16,width=256,classes=16 at batch 256, by hand (fp32):
@@ -184,13 +184,25 @@ def test_estimate_with_full_sharding_divides_the_states() -> None:
 
 
 def test_gpu_target_subtracts_fixed_costs_and_counts_them_in_total() -> None:
-    target = resolve_target(gpu="RTX 3090")
+    # CUDA 12.4, lazy loading: an Ampere context, and two cuBLAS workspaces (forward's
+    # thread and autograd's), each :4096:2:16:8 = 8320 KiB.
+    target = resolve_target(gpu="RTX 3090", cuda_version="12.4")
     card = lookup("RTX 3090")
-    assert target.budget == card.memory - card.context - card.cublas_workspace
-    est = estimate("mlp:layers=1,width=32", 4, gpu="rtx3090", search=False)
-    assert est.fixed_costs == fixed_costs(card) and est.breakdown["fixed costs"] == sum(fixed_costs(card).values())
-    assert est.total == est.peak_reserved + card.context + card.cublas_workspace
+    assert target.budget == card.memory - card.context - 2 * card.cublas_workspace
+    est = estimate("mlp:layers=1,width=32", 4, gpu="rtx3090", cuda_version="12.4", search=False)
+    assert est.total == est.peak_reserved + 400 * MiB + 2 * 8320 * KiB
+    assert est.breakdown["cuda context"] == 400 * MiB and est.breakdown["cublas workspace"] == 2 * 8320 * KiB
+    assert est.breakdown["cudnn workspace"] == 0 and est.cuda_version == "12.4"
+    assert sum(est.fixed_costs.values()) == est.total - est.peak_reserved
     assert est.fits is True and est.memory == card.memory
+
+
+def test_cuda_version_sets_the_context_by_module_loading() -> None:
+    # CUDA 11.2 has no lazy loading: the V100's eager context of the transformers docs.
+    old = estimate("mlp:layers=1,width=32", 4, gpu="V100 16GB", cuda_version="11.2", search=False)
+    new = estimate("mlp:layers=1,width=32", 4, gpu="V100 16GB", cuda_version="cu121", search=False)
+    assert old.breakdown["cuda context"] == 1341 * MiB and new.breakdown["cuda context"] == 300 * MiB
+    assert old.total - new.total == 1041 * MiB
 
 
 def test_fixed_costs_can_be_overridden() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import click
@@ -37,6 +38,13 @@ if TYPE_CHECKING:
     metavar="SIZE",
     help="Override the CUDA context and workspace memory the allocator never sees.",
 )
+@click.option(
+    "--cuda-version",
+    default=None,
+    metavar="X.Y",
+    help="CUDA of the torch build that will train, for the CUDA context "
+    "(default: this torch's CUDA, else ./memfit.lock's, else a current CUDA 12).",
+)
 @settings_options
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs training together.")
 @click.option(
@@ -54,6 +62,7 @@ def command(
     memory: str | None,
     device_spec: str | None,
     fixed_costs: str | None,
+    cuda_version: str | None,
     precision: str,
     checkpointing: str,
     world_size: int,
@@ -75,6 +84,7 @@ def command(
         world_size=world_size,
         shard=cast("Shard", shard),
         fixed_costs=fixed_costs,
+        cuda_version=cuda_version if cuda_version is not None else locked_cuda_version(),
     )
     if as_json:
         print_json(result.to_dict())
@@ -85,9 +95,25 @@ def command(
     console.print(summary_line(result))
 
 
+def locked_cuda_version(path: Path = Path("memfit.lock")) -> str | None:
+    """The lock's CUDA (``torch_cuda``) when torch here has none and ./memfit.lock exists.
+
+    Why only then: the installed torch's CUDA comes first (it is what will train when
+    this machine trains), and a lock written elsewhere says what that machine ran.
+    """
+    from memfit.cuda.context import installed_cuda_version
+    from memfit.search.lock import load_lock
+
+    if installed_cuda_version() is not None or not path.is_file():
+        return None
+    return load_lock(path).environment.torch_cuda
+
+
 def breakdown_table(result: Estimate) -> Table:
     """What holds the memory at the peak, one row per category."""
     title = f"memfit estimate · {result.workload} · batch {result.batch_size} · {result.target}"
+    if result.cuda_version is not None:
+        title += f" · CUDA {result.cuda_version}"
     if result.world_size > 1:
         title += f" · {result.world_size} ranks, shard {result.shard}"
     table = Table(title=title)

@@ -13,9 +13,10 @@ The target:
   GPU itself, no fixed costs, the optimizer's CPU implementation, so the estimate equals
   what ``memfit measure --device sim:8GiB`` measures;
 - ``gpu="RTX 3090"``: a card from :mod:`memfit.memory.gpus`; its usable memory less the
-  fixed costs the allocator never sees (CUDA context, cuBLAS workspace; override with
-  ``fixed_costs=``) is the allocator's budget, and optimizers use their CUDA default
-  (foreach);
+  fixed costs (:func:`memfit.cuda.context.fixed_costs`: the CUDA context for the CUDA
+  version, ``cuda_version=``, and module loading, cuBLAS's workspaces, a capped cuDNN
+  workspace; override with ``fixed_costs=``) is the allocator's budget, and optimizers use
+  their CUDA default (foreach);
 - ``memory="16GiB"``: a CUDA GPU whose allocator may reserve that much (fixed costs
   only when given);
 - nothing: an unlimited CUDA GPU (no ``fits``, no ``max_batch_size``).
@@ -41,6 +42,8 @@ from typing import Any
 
 from memfit._html import HtmlRepr
 from memfit.batch_search import Outcome, SearchSpace, answer, run_search
+from memfit.cuda.context import fixed_costs as cuda_fixed_costs
+from memfit.cuda.context import resolve_cuda_version
 from memfit.errors import MemfitError
 from memfit.estimator import sharding
 from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
@@ -50,7 +53,6 @@ from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
-from memfit.memory.gpus import fixed_costs as gpu_fixed_costs
 from memfit.run.settings import Settings
 from memfit.units import format_size, parse_size
 from memfit.workload import Workload, load_workload
@@ -70,6 +72,8 @@ class Target:
     fixed: dict[str, int] = field(default_factory=dict)
     cuda: bool = True  # optimizers take their CUDA default (foreach)
     bf16: bool = True
+    #: the CUDA version the fixed costs are for (None: no fixed costs were derived)
+    cuda_version: tuple[int, int] | None = None
 
     @property
     def fixed_total(self) -> int:
@@ -86,16 +90,30 @@ def resolve_target(
     memory: int | str | None = None,
     device: str | Device | None = None,
     fixed_costs: int | str | None = None,
+    cuda_version: str | tuple[int, ...] | None = None,
 ) -> Target:
-    """The target from the one of ``gpu``, ``memory`` or ``device`` that is given."""
+    """The target from the one of ``gpu``, ``memory`` or ``device`` that is given.
+
+    Args:
+        gpu: a GPU model from the table.
+        memory: a CUDA GPU whose allocator may reserve this much.
+        device: a device spec (``sim:8GiB``, ``cuda``).
+        fixed_costs: override the memory outside the tensors.
+        cuda_version: the CUDA of the user's torch build, for a GPU's fixed costs
+            (default: the installed torch's, else :data:`memfit.cuda.context.DEFAULT_CUDA_VERSION`).
+    """
     given = [name for name, value in (("gpu", gpu), ("memory", memory), ("device", device)) if value is not None]
     if len(given) > 1:
         raise MemfitError(f"give one target, not {' and '.join(given)}: --gpu NAME, --memory SIZE or --device sim:SIZE")
     fixed_override = None if fixed_costs is None else _parse_fixed(fixed_costs)
     if gpu is not None:
         card = gpu if isinstance(gpu, GPU) else lookup(gpu)
-        fixed = gpu_fixed_costs(card) if fixed_override is None else {"fixed costs": fixed_override}
-        return Target(card.name, card.memory, fixed, cuda=True, bf16=card.bf16)
+        cuda, _ = resolve_cuda_version(cuda_version)
+        if fixed_override is None:
+            fixed = cuda_fixed_costs(card.family, card.compute_capability[0], cuda)
+        else:
+            fixed = {"fixed costs": fixed_override}
+        return Target(card.name, card.memory, fixed, cuda=True, bf16=card.bf16, cuda_version=cuda)
     if memory is not None:
         size = parse_size(memory)
         fixed = {"fixed costs": fixed_override} if fixed_override else {}
@@ -137,6 +155,8 @@ class Estimate(HtmlRepr):
     max_batch_size: int | None
     world_size: int = 1
     shard: str = "none"
+    #: the CUDA version the fixed costs are for ("12.8"; None when none were derived)
+    cuda_version: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,6 +240,7 @@ def estimate(
     world_size: int = 1,
     shard: Shard = "none",
     fixed_costs: int | str | None = None,
+    cuda_version: str | tuple[int, ...] | None = None,
     search: bool = True,
     search_limit: int | None = None,
 ) -> Estimate:
@@ -241,6 +262,9 @@ def estimate(
             ``gradients``: ZeRO-2; ``full``: ZeRO-3 / FSDP).
         fixed_costs: override the memory the allocator never sees (CUDA context,
             workspaces).
+        cuda_version: the CUDA of the torch build that will train (``"11.8"``,
+            ``"cu124"``), for a GPU's CUDA context (default: the installed torch's CUDA,
+            else :data:`memfit.cuda.context.DEFAULT_CUDA_VERSION`).
         search: also find ``max_batch_size`` when ``batch_size`` is given.
         search_limit: the largest batch worth proving (tried first; when it fits the
             search ends at once).
@@ -250,7 +274,7 @@ def estimate(
     sharding.check(world_size, shard)
     if batch_size is not None and batch_size < 1:
         raise MemfitError(f"invalid batch size {batch_size}: must be at least 1")
-    target = resolve_target(gpu, memory, device, fixed_costs)
+    target = resolve_target(gpu, memory, device, fixed_costs, cuda_version)
     if settings.precision == "bf16" and not target.bf16:
         raise MemfitError(f"{target.name} does not support bf16: use --precision fp16 or fp32")
     sharded = world_size > 1
@@ -284,7 +308,9 @@ def estimate(
     total = reserved + target.fixed_total
     breakdown = {name: categories.get(name, 0) for name in (*CATEGORIES, "ddp buckets") if name in categories}
     breakdown["allocator overhead"] = reserved - allocated
-    breakdown["fixed costs"] = target.fixed_total
+    # Each fixed cost by its name (cuda context, cublas workspace, cudnn workspace), or
+    # one line when there is none to name (a simulated GPU) or the user gave the total.
+    breakdown.update(target.fixed or {"fixed costs": 0})
     return Estimate(
         workload=wl.name,
         batch_size=chosen,
@@ -301,4 +327,5 @@ def estimate(
         max_batch_size=max_batch,
         world_size=world_size,
         shard=shard,
+        cuda_version=None if target.cuda_version is None else "{}.{}".format(*target.cuda_version),
     )
