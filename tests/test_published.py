@@ -1,0 +1,123 @@
+"""bench/published.py: every published row names its source and versions, its workload builds and
+runs its fake step, and the three estimators' figures are what their rules say."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from memfit.estimator.estimate import estimate
+from memfit.units import GiB, MiB
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+#: the row keys, read from the script's text so collecting the tests imports nothing heavy
+ROW_KEYS = sorted(
+    set(__import__("re").findall(r'"((?:bert|vit|gpt2)-[a-z0-9-]+)"', (BENCH / "published.py").read_text()))
+)
+
+
+@pytest.fixture(scope="module")
+def published() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("published")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_the_rows_cover_what_the_issue_asks(published: ModuleType) -> None:
+    rows = published.ROWS
+    assert len(rows) >= 10
+    assert len({row.family for row in rows}) >= 3
+    assert any(row.settings.precision == "fp32" and not row.options.get("bf16_true") for row in rows)
+    assert any(row.settings.precision != "fp32" or row.options.get("bf16_true") for row in rows)
+    assert len({row.key for row in rows}) == len(rows)
+
+
+def test_every_row_names_source_gpu_versions_and_quantity(published: ModuleType) -> None:
+    for row in published.ROWS:
+        assert row.source.startswith("https://") and row.section, row.key
+        assert row.gpu and row.versions and "torch" in row.versions, row.key
+        assert row.quantity in ("nvidia-smi", "max_memory_reserved", "max_memory_allocated"), row.key
+        assert 1 * GiB < row.measured < 40 * GiB and row.setup and row.limits, row.key
+        assert set(row.depends_on) <= {1, 2, 5, 7}, row.key
+
+
+def _row(published: ModuleType, key: str) -> Any:
+    return next(row for row in published.ROWS if row.key == key)
+
+
+@pytest.mark.parametrize("key", ROW_KEYS)
+def test_every_rows_workload_runs_its_fake_step_at_a_small_size(published: ModuleType, key: str) -> None:
+    # The same model code, optimizer, loop order and dtypes as the published size. A model
+    # factory that moves to bf16 (the bf16-true rows) waits for issue 13's item 7.
+    row = _row(published, key)
+    workload = row.tiny_workload()
+    if row.options.get("bf16_true"):
+        assert next(workload.build_model().parameters()).dtype == torch.bfloat16
+        return
+    est = estimate(workload, 2, row.settings, gpu=row.gpu_table, cuda_version=row.cuda, search=False)
+    assert 0 < est.peak_allocated <= est.peak_reserved
+    assert est.breakdown["optimizer state"] > 0 and est.breakdown["cuda context"] > 0
+
+
+def test_the_trainers_zero_grad_of_2022_keeps_gradients_through_the_next_forward(published: ModuleType) -> None:
+    workload = _row(published, "bert-fp32-b4").tiny_workload()
+    kept = estimate(workload, 32, memory="1GiB", search=False)
+    plain = dataclasses.replace(workload, optimizer=lambda p: torch.optim.AdamW(p, foreach=False))
+    freed = estimate(plain, 32, memory="1GiB", search=False)
+    params = kept.breakdown["parameters"]
+    assert kept.breakdown["activations"] > params  # the peak is the forward's
+    assert kept.breakdown["gradients"] == pytest.approx(params, rel=0.01)  # every gradient alive there
+    assert freed.breakdown["gradients"] < params / 5  # only those backward has made by then
+    assert kept.peak_allocated - freed.peak_allocated > 0.8 * params
+
+
+def test_memfit_figure_is_the_measured_quantity(published: ModuleType) -> None:
+    by_key = {row.key: row for row in published.ROWS}
+    est = estimate(by_key["gpt2-fp32-b8"].tiny_workload(), 2, gpu="A100 40GB", cuda_version="12.8", search=False)
+    workspaces = est.fixed_costs["cublas workspace"]
+    assert workspaces == 2 * 8320 * 1024
+    smi, reserved, allocated = by_key["bert-fp32-b4"], by_key["vit-fp32-b64"], by_key["gpt2-fp32-b8"]
+    assert published.memfit_figure(smi, est) == est.total  # nvidia-smi: reserved + every fixed cost
+    assert published.memfit_figure(reserved, est) == est.peak_reserved + workspaces  # torch 2.1: in the allocator
+    assert published.memfit_figure(allocated, est) == est.peak_allocated + workspaces
+
+
+def test_accelerate_and_deepspeed_follow_their_published_rules(published: ModuleType) -> None:
+    row = next(r for r in published.ROWS if r.key == "gpt2-fp32-b8")
+    workload = row.tiny_workload()
+    params = published.parameter_count(workload)
+    buffers = 0
+    with torch.device("meta"):
+        model = workload.build_model()
+        buffers = sum(b.numel() for b in model.buffers())
+    # fp32: the largest of model 4P, gradients 4P, Adam 8P, step 16P (bytes of the fp32 model)
+    assert published.accelerate_estimate(workload, "float32") == 4 * (4 * params + 4 * buffers)
+    # mixed: max(model 4P, gradients 6P, Adam 8P, step 8P) = 8P
+    assert published.accelerate_estimate(workload, "float16") == 2 * (4 * params + 4 * buffers)
+    shapes = row.shapes
+    s, b, h, a, layers = shapes.seq_len, row.batch_size, shapes.hidden, shapes.heads, shapes.layers
+    expected = 20 * params + layers * s * b * h * (34 + 5 * a * s / h) * 2  # fp32: twice the paper's 16-bit
+    assert published.deepspeed_estimate(params, row) == int(expected)
+
+
+def test_summary_is_median_and_worst_over_the_rows_that_ran(published: ModuleType) -> None:
+    rows = published.ROWS[:3]
+    results = [
+        published.Result(rows[0], int(rows[0].measured * 1.02), 1, 1, 0.0),
+        published.Result(rows[1], int(rows[1].measured * 0.90), 1, 1, 0.0),
+        published.Result(rows[2], None, 1, 1, 0.0, failure="RuntimeError: item 7"),
+    ]
+    median, worst, missing = published.summary(results, "memfit")
+    assert median == pytest.approx(6.0, abs=0.01) and worst == pytest.approx(10.0, abs=0.01) and missing == 1
+    text = published.markdown(results, 1.0)
+    assert "fails" in text and "RuntimeError: item 7" in text and rows[0].source in text
+    assert f"{14949 * MiB / GiB:.2f} GiB" in text
