@@ -1,10 +1,12 @@
 """bench/published.py: every published row names its source and versions, its workload builds and
-runs its fake step, and the three estimators' figures are what their rules say."""
+runs its fake step, and the three estimators' figures are what their rules say; bench/gpu_accuracy.py
+refuses without CUDA and runs its CPU dry run."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -121,3 +123,32 @@ def test_summary_is_median_and_worst_over_the_rows_that_ran(published: ModuleTyp
     text = published.markdown(results, 1.0)
     assert "fails" in text and "RuntimeError: item 7" in text and rows[0].source in text
     assert f"{14949 * MiB / GiB:.2f} GiB" in text
+
+
+@pytest.fixture(scope="module")
+def gpu_accuracy() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("gpu_accuracy")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the path of a machine without CUDA")
+def test_gpu_accuracy_refuses_without_cuda_and_dry_runs_on_the_cpu(
+    gpu_accuracy: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "gpu.json"
+    assert gpu_accuracy.main(["--out", str(out)]) == 2 and not out.exists()
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert gpu_accuracy.main(["--dry-run", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["dry_run"] is True and data["zoo"] == []
+    flash = next(r for r in data["attention"] if r["backend"] == "flash" and r["mask"] == "none")
+    # the CPU's flash kernel keeps what CUDA's does but the 24 bytes of random-number state
+    assert flash["predicted"] - flash["measured"] == 24
+    softmax = next(r for r in data["autocast"] if r["op"] == "softmax.int" and r["input"] == "bfloat16")
+    assert softmax["measured"] == "bfloat16" and softmax["predicted"] == "float32"  # CPU autocast is not CUDA's
+    assert all(r["predicted_context"] > 0 and r["measured"] is None for r in data["fixed_costs"])
+    assert all(r["predicted"] > 0 for r in data["rnn"])
+    assert "attention saved bytes" in capsys.readouterr().out
