@@ -159,3 +159,22 @@ def test_check_cli_exit_status(tmp_path, run_cli):
     changed = write_lock(make_lock(environment=other), tmp_path / "changed.lock")
     status, out, _ = run_cli("check", str(changed))
     assert status == 1 and "torch" in out
+
+
+def test_a_lock_without_a_reference_keeps_the_name_and_says_why(tmp_path):
+    path = write_lock(make_lock(workload=None, workload_name="from my script"), tmp_path / "memfit.lock")
+    text = path.read_text()
+    assert "ref =" not in text and 'name = "from my script"' in text and "not a reference" in text
+    loaded = load_lock(path)
+    assert (loaded.workload, loaded.workload_name) == (None, "from my script")
+
+
+def test_a_lock_with_neither_reference_nor_name_is_damaged(tmp_path):
+    path = write_lock(make_lock(), tmp_path / "memfit.lock")
+    path.write_text(
+        path.read_text()
+        .replace('ref = "mlp:layers=4,width=64,features=32"\n', "")
+        .replace('name = "mlp:layers=4,width=64,features=32"\n', "")
+    )
+    with pytest.raises(MemfitError, match=r"damaged memfit\.lock: bad or missing 'workload\.ref'"):
+        load_lock(path)

@@ -131,3 +131,14 @@ def test_bad_references(ref, message):
 def test_bad_functions(workload_file, function, message):
     with pytest.raises(WorkloadError, match=message):
         memfit.load_workload(f"{workload_file}:{function}")
+
+
+def test_a_loaded_workload_remembers_its_reference(workload_file):
+    """A lock records the reference, so that load_workload(lock.workload) loads the same workload."""
+    assert memfit.load_workload("mlp:layers=1").reference == "mlp:layers=1"
+    ref = f"{workload_file}:make_workload"
+    assert memfit.load_workload(f"  {ref} ").reference == ref
+    made = memfit.Workload(model=lambda: torch.nn.Linear(2, 2), make_batch=lambda n: torch.randn(n, 2), loss=None)
+    assert memfit.load_workload(made).reference is None
+    with pytest.raises(WorkloadError, match=r"no workload reference \(None\)"):
+        memfit.load_workload(None)

@@ -1,6 +1,8 @@
 """memfit.lock: the chosen settings, what was measured, and the environment, frozen.
 
-A lock is TOML with a schema version. It records the workload reference, the Settings
+A lock is TOML with a schema version. It records the workload reference the user gave
+(``memfit.load_workload(lock.workload)`` loads it again; None for a Workload made in
+code, which the lock says in ``[workload] note``), the Settings
 the plan chose (precision, checkpointing, micro-batch, accumulation), the target batch,
 the measured peak memory and samples/s with the headroom kept, and the environment
 fingerprint (:mod:`memfit.environment.envfile`). :func:`check_lock` compares the fingerprint with this
@@ -53,6 +55,11 @@ __all__ = ["Lock", "Measured", "write_lock", "load_lock", "check_lock", "SCHEMA"
 
 SCHEMA = "memfit.lock"
 SCHEMA_VERSION = 1
+#: what a lock says in place of a reference when the workload was a Workload object
+NO_REFERENCE = (
+    "given as a Workload object, not a reference: memfit.load_workload cannot load it; "
+    "build it in your script as when it was fitted"
+)
 
 
 @dataclass(frozen=True)
@@ -70,9 +77,15 @@ class Measured:
 
 @dataclass(frozen=True)
 class Lock:
-    """A memfit.lock in memory."""
+    """A memfit.lock in memory.
 
-    workload: str
+    ``workload`` is the reference the workload was loaded from (a zoo name with options,
+    ``file.py:function``, ``module:function``), so ``memfit.load_workload(lock.workload)``
+    loads it again; None when it was given as a Workload object, which no string can load
+    (``workload_name`` then says which).
+    """
+
+    workload: str | None
     settings: Settings
     target_batch_size: int
     environment: Fingerprint
@@ -80,6 +93,8 @@ class Lock:
     measured: Measured = field(default_factory=Measured)
     memfit_version: str = ""
     created: str = ""
+    #: the workload's name, for people (defaults to the reference)
+    workload_name: str = ""
 
     @property
     def micro_batch_size(self) -> int:
@@ -96,13 +111,19 @@ class Lock:
             "schema_version": SCHEMA_VERSION,
             "memfit_version": self.memfit_version or __version__,
             "created": self.created or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "workload": {"ref": self.workload},
+            "workload": self._workload_table(),
             "settings": {k: v for k, v in self.settings.to_dict().items() if v is not None},
             "target": {"batch_size": self.target_batch_size, "world_size": self.world_size},
             "measured": asdict(self.measured),
             "environment": self.environment.to_dict(omit_missing=True),
         }
         return tomli_w.dumps(document)
+
+    def _workload_table(self) -> dict[str, str]:
+        name = self.workload_name or self.workload or "workload"
+        if self.workload is None:
+            return {"name": name, "note": NO_REFERENCE}
+        return {"ref": self.workload, "name": name}
 
 
 def write_lock(lock: Lock, path: str | os.PathLike[str] = "memfit.lock") -> Path:
@@ -134,8 +155,13 @@ def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:
         settings = Settings(**data["settings"])
         if settings.micro_batch_size is None:
             raise KeyError("settings.micro_batch_size")
+        table = data["workload"]
+        ref = table.get("ref")
+        if ref is None and "name" not in table:
+            raise KeyError("workload.ref")
         return Lock(
-            workload=str(data["workload"]["ref"]),
+            workload=None if ref is None else str(ref),
+            workload_name=str(table.get("name", ref)),
             settings=settings,
             target_batch_size=int(data["target"]["batch_size"]),
             world_size=int(data["target"].get("world_size", 1)),

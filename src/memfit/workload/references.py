@@ -24,19 +24,31 @@ from memfit.workload.spec import Workload
 __all__ = ["load_workload"]
 
 
-def load_workload(ref: str | Workload) -> Workload:
+def load_workload(ref: str | Workload | None) -> Workload:
     """Resolve a workload reference to a :class:`~memfit.workload.spec.Workload`.
 
     Args:
         ref: a zoo name with options (``"gpt2:n_layer=2,seq_len=128"``),
             ``"path/to/file.py:function"`` or ``"package.module:function"``; a Workload is
-            returned as it is.
+            returned as it is. The reference is kept in ``Workload.reference``.
     """
     if isinstance(ref, Workload):
         return ref
+    if ref is None:
+        raise WorkloadError(
+            "no workload reference (None): a memfit.lock made for a Workload object records none; "
+            "build that Workload in your script as when it was fitted"
+        )
     if not isinstance(ref, str) or not ref.strip():
         raise WorkloadError("empty workload reference: give a zoo name (such as mlp or gpt) or file.py:function")
     ref = ref.strip()
+    workload = _resolve(ref)
+    # Remembered so that a lock can record what the user gave, and load it again.
+    workload.reference = ref
+    return workload
+
+
+def _resolve(ref: str) -> Workload:
     head, sep, tail = ref.partition(":")
     if head in zoo.ENTRIES:
         return zoo.build(head, tail if sep else "")

@@ -48,6 +48,10 @@ class Workload:
     name: str = "workload"
     #: shapes and other facts for people (sequence length, image size, parameter count)
     info: dict[str, Any] = field(default_factory=dict)
+    #: the reference this workload was loaded from (``"gpt2:n_layer=2"``, ``"train.py:make"``),
+    #: set by :func:`~memfit.workload.references.load_workload`; None for a Workload made in
+    #: code, which no string can load again
+    reference: str | None = None
 
     @property
     def builds_fresh_models(self) -> bool:
