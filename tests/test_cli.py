@@ -18,8 +18,16 @@ def test_measure_json(run_cli):
     status, out, err = run_cli("measure", TINY, "--device", "sim:256MiB", "--batch-size", "8", "--json")
     assert status == 0, err
     data = json.loads(out)
-    assert set(data) == {"batch_size", "fits", "peak_allocated", "peak_reserved", "seconds_per_step"}
-    assert data["batch_size"] == 8 and data["fits"] is True
+    assert set(data) == {
+        "batch_size",
+        "fits",
+        "peak_allocated",
+        "peak_reserved",
+        "seconds_per_step",
+        "loss",
+        "finite_loss",
+    }
+    assert data["batch_size"] == 8 and data["fits"] is True and data["finite_loss"] is True
     assert isinstance(data["peak_allocated"], int) and data["peak_reserved"] >= data["peak_allocated"]
 
 

@@ -1,9 +1,12 @@
 """measure() on the simulated GPU: numbers move the right way and are reproducible."""
 
+import math
+
 import pytest
 import torch
 
 import memfit
+from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.settings import Settings, find_blocks
 
 BLOCKS4 = "mlp:layers=4,width=256,features=256"
@@ -84,3 +87,36 @@ def test_other_errors_propagate_unchanged():
 def test_find_blocks_picks_the_repeated_layers():
     model = memfit.load_workload(BLOCKS4).build_model()
     assert len(find_blocks(model)) == 4
+
+
+def _nan_after(steps_ok: int):
+    """A loss that turns NaN after ``steps_ok`` calls, as a diverging step does (log of 0 here)."""
+    calls = []
+    plain = memfit.load_workload("mlp:layers=1,width=8,features=8").loss
+
+    def loss(model, batch):
+        calls.append(1)
+        value = plain(model, batch)
+        return value * torch.log(torch.tensor(0.0)) * 0 if len(calls) > steps_ok else value
+
+    return loss
+
+
+def test_a_nan_loss_is_a_warning_and_the_measurement_says_so():
+    """Issue 14, item 5: a NaN loss was reported as a success without a word."""
+    wl = memfit.load_workload("mlp:layers=1,width=8,features=8")
+    wl.loss = _nan_after(1)
+    with pytest.warns(UserWarning, match=r"the loss at batch 4 is nan \(not finite\): the training step is broken"):
+        result = memfit.measure(wl, 4, "sim:1GiB")
+    assert result.fits and not result.finite_loss and math.isnan(result.loss)
+    assert result.to_dict()["finite_loss"] is False
+    clean = memfit.measure("mlp:layers=1,width=8,features=8", 4, "sim:1GiB")
+    assert clean.finite_loss and math.isfinite(clean.loss)
+
+
+def test_probe_refuses_a_nan_loss_naming_the_batch():
+    wl = memfit.load_workload("mlp:layers=1,width=8,features=8")
+    wl.loss = _nan_after(0)
+    with pytest.warns(UserWarning), pytest.raises(MemfitError, match="the loss at batch 1 is nan") as caught:
+        memfit.probe(wl, "sim:64MiB", guess=None)
+    assert not isinstance(caught.value, DoesNotFitError)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,10 +14,12 @@ import memfit
 from memfit.batch_search import SearchSpace
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.measure import Measurement, measure
-from memfit.search.probe import TRIAL_STEPS, ProbeResult, probe, recommend, search
+from memfit.search.probe import HEADROOM_TRIALS, TRIAL_STEPS, ProbeResult, probe, recommend, search
 from memfit.workload import Workload
 
 MiB = 2**20
+#: pytorch/examples' models as workloads (tests/workloads), loaded by reference as a user's file is
+EXAMPLES = Path(__file__).parent / "workloads" / "pytorch_examples.py"
 
 
 def formula_trial(capacity: int, fixed: int = 100 * MiB, per_sample: int = 3 * MiB, seconds=lambda b: 0.01 + 0.001 * b):
@@ -98,18 +101,114 @@ def test_search_that_does_not_fit_at_batch_1_names_the_memory() -> None:
     assert "with 1000.00 MiB reserved" in message
 
 
+def timed(speeds: dict[int, float], repeats: int = 2, noise: float = 0.0) -> list[Measurement]:
+    """Trials at ``speeds`` (samples/s), each batch timed ``repeats`` times, the last ``noise`` slower."""
+    trials = []
+    for _ in range(repeats):
+        for b, s in speeds.items():
+            trials.append(Measurement(b, True, 0, 0, b / s))
+    if repeats > 1 and noise:
+        last = trials[-len(speeds) :]
+        trials[-len(speeds) :] = [Measurement(t.batch_size, True, 0, 0, t.seconds_per_step * (1 + noise)) for t in last]
+    return trials
+
+
 @pytest.mark.parametrize(
     ("speeds", "headroom_batch", "expected"),
     [
         ({8: 100.0, 16: 200.0, 32: 400.0}, 32, (32, 32)),  # still growing: the headroom batch
-        ({8: 100.0, 16: 395.0, 32: 400.0}, 32, (16, 16)),  # within 2 % at 16
+        ({8: 100.0, 16: 395.0, 32: 400.0}, 32, (16, 16)),  # within 2 % at 16, timings repeat exactly
         ({8: 100.0, 16: 200.0, 64: 900.0}, 32, (32, 16)),  # trials above the headroom batch do not count
         ({}, 32, (32, None)),
     ],
 )
 def test_recommend(speeds: dict[int, float], headroom_batch: int, expected: tuple[int, int | None]) -> None:
-    trials = [Measurement(b, True, 0, 0, b / s) for b, s in speeds.items()]
-    assert recommend(trials, headroom_batch, 0.05)[:2] == expected
+    choice = recommend(timed(speeds), headroom_batch, 0.05)
+    assert (choice.batch, choice.throughput_batch) == expected
+    assert choice.repeat == ()
+
+
+def test_recommend_asks_to_repeat_a_single_timing_before_throughput_decides() -> None:
+    once = timed({8: 100.0, 16: 395.0, 32: 400.0}, repeats=1)
+    choice = recommend(once, 32, 0.05)
+    assert (choice.batch, choice.repeat) == (32, (16, 32))
+
+
+def test_a_noisy_timing_does_not_decide() -> None:
+    """Issue 14, item 6: batch 24 at 10 samples/s and 20 at 30 on a shared CPU; timed again, 24 runs at 31."""
+    speeds = {20: [30.0, 29.5], 21: [30.5], 24: [10.0, 31.0]}  # samples/s of each timing, in turn
+
+    def trial(batch: int) -> Measurement:
+        fits = batch <= 24
+        memory = 10 * MiB * batch
+        seconds = batch / speeds[batch].pop(0) if fits else None
+        return Measurement(batch, fits, memory, memory, seconds)
+
+    capacity = 250 * MiB  # 24 fits (240 MiB), 25 does not; no headroom rule here
+    found = search(trial, SearchSpace(capacity=capacity, guess=20), capacity=capacity, headroom=0)
+    assert [t.batch_size for t in found.trials] == [20, 21, 24, 25, 20, 24]  # 20 and 24 timed again
+    assert (found.max_batch_size, found.recommended_batch_size) == (24, 24)
+    assert "timings do not repeat closely enough for throughput to decide (batch 21 vs 24" in found.reason
+    assert "repeated timings 210% apart" in found.reason
+
+
+def test_repeatable_timings_let_throughput_decide() -> None:
+    capacity = 1000 * MiB
+    flat_after_100 = lambda b: 0.001 * max(b, 100)  # noqa: E731 - samples/s stops growing at 100
+    found = search(formula_trial(capacity, seconds=flat_after_100), SearchSpace(capacity=capacity), capacity=capacity)
+    assert (found.recommended_batch_size, found.throughput_batch_size) == (112, 112)
+    assert found.reason.startswith("throughput stops growing at batch 112")
+    assert "timings repeated 0.0% apart" in found.reason
+
+
+# -- the headroom batch: from the measured memory line, verified ----------------------------------------
+
+
+def test_headroom_batch_from_the_line_when_the_guess_was_the_maximum() -> None:
+    """The search proved 300 in two trials; memory is flat-then-linear, so batches 1, 2, 5 say nothing."""
+    capacity = 1000 * MiB
+    found = search(formula_trial(capacity), SearchSpace(capacity=capacity, guess=300), capacity=capacity)
+    assert [t.batch_size for t in found.trials] == [300, 301, 150, 283, 284]
+    assert (found.max_batch_size, found.headroom_batch_size, found.recommended_batch_size) == (300, 283, 283)
+
+
+def test_headroom_batch_on_a_staircase_is_verified_and_never_below_a_verified_fit() -> None:
+    """Reserved memory in 20 MiB stairs: a line keeps landing on the top stair; bisection gets below it."""
+    capacity = 128 * MiB
+
+    def trial(batch: int) -> Measurement:
+        allocated = 26 * MiB + batch * MiB // 2
+        reserved = min(capacity, 42 * MiB + 20 * MiB * ((allocated - 26 * MiB) // (20 * MiB)))
+        fits = allocated <= 90 * MiB
+        return Measurement(batch, fits, allocated, reserved, 0.01 if fits else None)
+
+    found = search(trial, SearchSpace(capacity=capacity, guess=128), capacity=capacity)
+    budget = int(0.95 * capacity)
+    verified = [t.batch_size for t in found.trials if t.fits and t.peak_reserved <= budget]
+    assert found.headroom_batch_size == max(verified)
+    assert trial(found.headroom_batch_size).peak_reserved <= budget
+    assert found.headroom_batch_size >= found.max_batch_size // 2
+
+
+def test_no_batch_within_the_headroom_says_so() -> None:
+    capacity = 100 * MiB
+    found = search(
+        formula_trial(capacity, fixed=97 * MiB, per_sample=MiB), SearchSpace(capacity=capacity), capacity=capacity
+    )
+    assert (found.max_batch_size, found.recommended_batch_size) == (3, 1)
+    assert found.reason == "no batch keeps 5% of memory free: even batch 1 reserves 98.0% of it"
+
+
+def test_a_nan_loss_is_refused_naming_the_batch_and_the_value() -> None:
+    def trial(batch: int) -> Measurement:
+        loss = float("nan") if batch > 1 else 2.3
+        return Measurement(batch, True, MiB * batch, MiB * batch, 0.01, loss, batch == 1)
+
+    with pytest.raises(MemfitError) as caught:
+        search(trial, SearchSpace(capacity=1000 * MiB), capacity=1000 * MiB, describe="net on sim:1000MiB")
+    assert str(caught.value).startswith("net on sim:1000MiB: the loss at batch 16 is nan (not finite)")
+    assert "not short of memory" in str(caught.value)
+    assert not isinstance(caught.value, DoesNotFitError)
 
 
 # -- on the simulated GPU ---------------------------------------------------------------------
@@ -298,3 +397,26 @@ def test_probe_starting_at_the_estimate_is_exact_in_at_most_three_trials(ref, sp
     from_estimate = probe(ref, spec, headroom=0)  # the default: start at the estimate
     assert from_estimate.max_batch_size == from_scratch.max_batch_size
     assert len(from_estimate.trials) <= 3 < len(from_scratch.trials)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine the CNN's trials run faster so."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_mnist_cnn_recommends_the_largest_verified_batch_within_the_headroom(one_thread):
+    """Issue 14, item 2: max 142 and recommended 5 on sim:128MiB, since only 1, 2 and 5 were tried
+    for the headroom (memory is flat at small batches: weights, Adadelta state, 20 MiB segments)."""
+    result = probe(f"{EXAMPLES}:mnist", "sim:128MiB")
+    assert result.max_batch_size == 142
+    budget = 0.95 * 128 * MiB
+    verified = [t.batch_size for t in result.trials if t.fits and t.peak_reserved <= budget]
+    assert result.headroom_batch_size == max(verified)  # a trial proved it within the headroom
+    assert result.headroom_batch_size >= result.max_batch_size // 2  # not a batch from the flat start
+    assert len(result.trials) <= 2 + HEADROOM_TRIALS + 2  # the guess, its proof, the headroom, repeats
+    if result.recommended_batch_size != result.headroom_batch_size:  # only on timings that repeat
+        assert result.reason.startswith("throughput stops growing") and "timings repeated" in result.reason

@@ -3,7 +3,9 @@
 This is the unit every search in memfit is made of (probe's trials, plan's checks): run
 ``steps`` optimizer steps at one batch size from a clean peak, and report the peak
 allocated and reserved memory and the time of the last step. An OOM is a result
-(``fits=False``), not an error; every other exception propagates unchanged.
+(``fits=False``), not an error; every other exception propagates unchanged. A loss that
+is NaN or infinite is a warning here (``finite_loss=False``, ``loss`` holds the value):
+the step ran, but what it trains is broken; probe and plan refuse such a trial.
 
 >>> import memfit
 >>> m = memfit.measure("mlp:layers=2,width=64", batch_size=8, device="sim:1GiB")
@@ -13,6 +15,8 @@ allocated and reserved memory and the time of the last step. An OOM is a result
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,18 +28,24 @@ from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
 from memfit.workload import Workload, load_workload
 
-__all__ = ["measure", "Measurement"]
+__all__ = ["measure", "Measurement", "non_finite_loss_message"]
 
 
 @dataclass(frozen=True)
 class Measurement(HtmlRepr):
-    """One batch size's result. Bytes are ints; ``seconds_per_step`` is None on an OOM."""
+    """One batch size's result. Bytes are ints; ``seconds_per_step`` is None on an OOM.
+
+    ``loss`` is the last step's loss, or the first that was not finite (None on an OOM);
+    ``finite_loss`` is False when some step's loss was NaN or infinite.
+    """
 
     batch_size: int
     fits: bool
     peak_allocated: int
     peak_reserved: int
     seconds_per_step: float | None
+    loss: float | None = None
+    finite_loss: bool = True
 
     @property
     def samples_per_second(self) -> float | None:
@@ -73,9 +83,11 @@ def measure(
     gpu.reset_peak_memory_stats()
     fits = True
     seconds = None
+    losses: list[float] = []
     try:
         run = run_steps(workload, settings, gpu, steps=steps)
         seconds = run.step_seconds[-1]
+        losses = run.losses
     except Exception as error:
         if not is_oom(error):
             raise
@@ -84,12 +96,29 @@ def measure(
         # Outside the except block, so the failed step's tensors can be freed.
         release_cached_memory()
     stats = gpu.memory_stats()
+    not_finite = [value for value in losses if not math.isfinite(value)]
     result = Measurement(
         batch_size=batch_size,
         fits=fits,
         peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
         peak_reserved=int(stats.get("reserved_bytes.all.peak", 0)),
         seconds_per_step=seconds,
+        loss=not_finite[0] if not_finite else (losses[-1] if losses else None),
+        finite_loss=not not_finite,
     )
     gpu.empty_cache()
+    if not_finite:
+        warnings.warn(non_finite_loss_message(workload.name, batch_size, not_finite[0]), UserWarning, stacklevel=2)
     return result
+
+
+def non_finite_loss_message(name: str, batch_size: int, loss: float) -> str:
+    """One line for a loss that is NaN or infinite: what it usually means, and what to check.
+
+    Why not "out of memory": a NaN at one batch size is a broken step (a division by a
+    count that is zero, log of zero, an fp16 overflow), which no batch size fixes.
+    """
+    return (
+        f"{name}: the loss at batch {batch_size} is {loss} (not finite): the training step is broken, "
+        "not short of memory; check the loss (log of 0, division by 0), the inputs and fp16 overflow"
+    )

@@ -8,8 +8,10 @@ does not fit. The answer is exact: the largest multiple of ``multiple_of`` that 
 with the next one shown not to.
 
 The recommended batch is the largest whose peak reserved memory stays under
-``(1 - headroom)`` of the device (searched for a few more trials, reusing every trial), or, when throughput stops growing before that, the
-smallest batch within 2 % of the best samples per second; both are reported, and why.
+``(1 - headroom)`` of the device, found from the memory line of every trial and verified
+by a trial (:mod:`memfit.search.headroom`); or, when throughput stops growing before it,
+the smallest batch within 2 % of the best samples per second, but only where repeated
+timings agree closely enough to tell (else the headroom batch, and ``reason`` says so).
 
 Probing leaves no trace: a model given as an instance is trained in place and then put
 back, bit for bit, with the optimizer the workload hands out, any objects passed in
@@ -39,9 +41,10 @@ from memfit.batch_search import Outcome, SearchSpace, answer, next_batch_size
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
-from memfit.run.measure import Measurement, measure
+from memfit.run.measure import Measurement, measure, non_finite_loss_message
 from memfit.run.settings import Settings
 from memfit.run.state import Snapshot, preserved
+from memfit.search.headroom import next_headroom_batch, repeatable, within_budget
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
 
@@ -51,6 +54,7 @@ __all__ = [
     "search",
     "Search",
     "recommend",
+    "Recommendation",
     "TRIAL_STEPS",
     "THROUGHPUT_TOLERANCE",
     "HEADROOM_TRIALS",
@@ -61,7 +65,7 @@ TRIAL_STEPS = 2
 #: a batch within this fraction of the best samples/s counts as "as fast"
 THROUGHPUT_TOLERANCE = 0.02
 #: at most this many trials after the maximum, to find the batch within the headroom
-HEADROOM_TRIALS = 3
+HEADROOM_TRIALS = 5
 
 TrialFunction = Callable[[int], Measurement]
 #: ``progress(batch_size, None)`` before a trial, ``progress(batch_size, measurement)`` after
@@ -126,10 +130,9 @@ class Search:
     limit: str
 
 
-def _outcome(measurement: Measurement, limit: int | None = None) -> Outcome:
-    """A trial as the search policy sees it; with ``limit``, fitting means fitting under it."""
-    fits = measurement.fits and (limit is None or measurement.peak_reserved <= limit)
-    return Outcome(measurement.batch_size, fits, measurement.peak_reserved if measurement.fits else 0)
+def _outcome(measurement: Measurement) -> Outcome:
+    """A trial as the search policies see it: fits, and its peak reserved memory when it did."""
+    return Outcome(measurement.batch_size, measurement.fits, measurement.peak_reserved if measurement.fits else 0)
 
 
 def search(
@@ -141,11 +144,22 @@ def search(
     progress: Progress | None = None,
     describe: str = "the workload",
 ) -> Search:
-    """Run trials until the maximum and the headroom batch are proven; pick the recommendation.
+    """Run trials until the maximum and the headroom batch are found; pick the recommendation.
 
     ``trial(batch_size)`` runs one trial (:func:`memfit.measure` in :func:`probe`, a
     formula in tests). ``capacity`` is the device's memory for the headroom rule.
-    Raises :class:`DoesNotFitError` when the smallest batch does not fit.
+
+    Args:
+        trial: runs one batch size and returns its measurement.
+        space: the batch sizes searched (multiple, bound, first guess).
+        capacity: the device's memory in bytes (None: no headroom rule).
+        headroom: the fraction of ``capacity`` the recommended batch leaves free.
+        progress: called before and after each trial.
+        describe: names the workload and device in errors.
+
+    Raises:
+        DoesNotFitError: the smallest batch does not fit.
+        MemfitError: a trial's loss is NaN or infinite (a broken step, not memory).
     """
     trials: list[Measurement] = []
 
@@ -156,6 +170,8 @@ def search(
         trials.append(result)
         if progress is not None:
             progress(batch_size, result)
+        if result.fits and not result.finite_loss:
+            raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(result)))
         return result
 
     while (batch := next_batch_size(space, [_outcome(t) for t in trials])) is not None:
@@ -166,49 +182,132 @@ def search(
     limit_kind = "max_batch_size" if maximum + space.multiple_of > space.max_units * space.multiple_of else "memory"
 
     headroom_batch = maximum
+    budget = None
     if capacity is not None and headroom > 0:
-        # The same search against the smaller budget, reusing every trial so far; a few
-        # more trials at most, since a recommendation needs no proof to the last sample.
+        # The largest batch within the smaller budget, from the memory line of every trial
+        # so far; a few more trials at most, since a recommendation needs no proof to the
+        # last sample. Only a batch verified within the budget is an answer.
         budget = math.floor((1 - headroom) * capacity)
-        room = SearchSpace(capacity=budget, multiple_of=space.multiple_of, max_batch_size=maximum)
+        start = len(trials)
         for _ in range(HEADROOM_TRIALS):
-            batch = next_batch_size(room, [_outcome(t, budget) for t in trials])
+            outcomes = [_outcome(t) for t in trials]
+            batch = next_headroom_batch(
+                outcomes, budget, maximum=maximum, multiple_of=space.multiple_of, phase_start=start
+            )
             if batch is None:
                 break
             run(batch)
-        headroom_batch = answer(room, [_outcome(t, budget) for t in trials]) or space.multiple_of
-    recommended, fastest, reason = recommend(trials, headroom_batch, headroom)
-    return Search(tuple(trials), maximum, headroom_batch, fastest, recommended, reason, limit_kind)
+        headroom_batch = within_budget(
+            [_outcome(t) for t in trials], budget, maximum=maximum, multiple_of=space.multiple_of
+        )
+    choice = recommend(trials, headroom_batch, headroom)
+    for _ in range(2):  # a second round when the repeats moved the throughput batch
+        if not choice.repeat:
+            break
+        for batch in choice.repeat:
+            run(batch)
+        choice = recommend(trials, headroom_batch, headroom)
+    if headroom_batch == 0:
+        # Not even the smallest batch keeps the headroom: it is still the one to use, said so.
+        smallest = min((t for t in trials if t.fits), key=lambda t: t.batch_size)
+        headroom_batch = smallest.batch_size
+        share = smallest.peak_reserved / capacity if capacity else 0.0
+        choice = Recommendation(
+            headroom_batch,
+            choice.throughput_batch,
+            f"no batch keeps {headroom:.0%} of memory free: even batch {headroom_batch} reserves {share:.1%} of it",
+        )
+    return Search(
+        tuple(trials), maximum, headroom_batch, choice.throughput_batch, choice.batch, choice.reason, limit_kind
+    )
 
 
-def recommend(trials: Sequence[Measurement], headroom_batch: int, headroom: float) -> tuple[int, int | None, str]:
-    """(recommended batch, smallest batch within 2 % of the best samples/s, the reason).
+def _loss_value(measurement: Measurement) -> float:
+    return math.nan if measurement.loss is None else measurement.loss
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What :func:`recommend` decided: the batch, the throughput batch, why; or what to re-time."""
+
+    batch: int
+    #: the smallest batch within 2 % of the best samples/s (among trials up to the headroom batch)
+    throughput_batch: int | None
+    reason: str
+    #: batch sizes whose timing must be repeated before throughput may decide (empty: decided)
+    repeat: tuple[int, ...] = ()
+
+
+def recommend(trials: Sequence[Measurement], headroom_batch: int, headroom: float) -> Recommendation:
+    """The recommended batch: the headroom batch, or a smaller one as fast, timings permitting.
 
     Why the throughput rule: past the point where a GPU is saturated a larger batch
-    only adds memory pressure (and changes the optimization), not speed.
+    only adds memory pressure (and changes the optimization), not speed. Why repeats: one
+    timing on a busy machine can be off by a factor of three, and a rule that picks a
+    smaller batch from it makes training slower for nothing. So the smaller batch is
+    chosen only when both it and the headroom batch were timed at least twice, each
+    pair agreeing within :data:`THROUGHPUT_TOLERANCE`, and the headroom batch is still
+    no faster by more than the tolerance left after that noise; the best of the repeated
+    timings counts. Otherwise ``repeat`` names the batches to time again, or (with
+    repeats already made) the headroom batch is recommended and ``reason`` says why.
+
+    Args:
+        trials: every trial, repeats included (same batch size, one more timing).
+        headroom_batch: the largest batch verified within the headroom.
+        headroom: the fraction of memory kept free (for the reason).
 
     >>> m = lambda b, s: Measurement(b, True, 0, 0, s)
-    >>> recommend([m(1, 0.01), m(64, 0.50), m(128, 1.0), m(256, 2.0)], 256, 0.05)[:2]
-    (64, 64)
+    >>> once = [m(1, 0.01), m(64, 0.50), m(128, 1.0), m(256, 2.0)]
+    >>> recommend(once, 256, 0.05).repeat
+    (64, 256)
+    >>> recommend(once + [m(64, 0.501), m(256, 2.001)], 256, 0.05).batch
+    64
+    >>> "timings do not repeat" in recommend(once + [m(64, 0.9), m(256, 2.0)], 256, 0.05).reason
+    True
     """
-    speeds = {t.batch_size: t.samples_per_second for t in trials if t.fits and t.samples_per_second}
-    speeds = {b: s for b, s in speeds.items() if b <= headroom_batch}
-    fastest = None
-    if speeds:
-        best = max(speeds.values())
-        fastest = min(b for b, s in speeds.items() if s >= (1 - THROUGHPUT_TOLERANCE) * best)
+    by_headroom = f"the largest batch with peak reserved memory within {1 - headroom:.0%} of capacity"
+    timings: dict[int, list[float]] = {}
+    for t in trials:
+        if t.fits and t.seconds_per_step and t.batch_size <= headroom_batch:
+            timings.setdefault(t.batch_size, []).append(t.seconds_per_step)
+    if not timings:
+        return Recommendation(headroom_batch, None, by_headroom)
+    speeds = {b: b / min(seconds) for b, seconds in timings.items()}
+    best = max(speeds.values())
+    fastest = min(b for b, s in speeds.items() if s >= (1 - THROUGHPUT_TOLERANCE) * best)
     # "Stops growing" needs a larger batch measured and found no faster; the fastest
     # batch being the largest one measured says nothing about the sizes above it.
-    if fastest is not None and fastest < max(speeds):
-        return (
-            fastest,
+    if fastest >= max(speeds) or headroom_batch not in timings:
+        return Recommendation(headroom_batch, fastest, by_headroom)
+    pair = (fastest, headroom_batch)
+    # Noise that any repeated timing has shown settles it; else time the two contenders again.
+    shown = [seconds for seconds in timings.values() if len(seconds) > 1]
+    noisy = bool(shown) and not repeatable(shown, THROUGHPUT_TOLERANCE)[0]
+    if not noisy and any(len(timings[b]) < 2 for b in pair):
+        return Recommendation(
+            headroom_batch, fastest, by_headroom, repeat=tuple(b for b in pair if len(timings[b]) < 2)
+        )
+    steady, noise = repeatable(shown if noisy else [timings[b] for b in pair], THROUGHPUT_TOLERANCE)
+    margin = THROUGHPUT_TOLERANCE - noise
+    if not steady or speeds[headroom_batch] > (1 + margin) * speeds[fastest]:
+        return Recommendation(
+            headroom_batch,
             fastest,
             (
-                f"throughput stops growing at batch {fastest} (within {THROUGHPUT_TOLERANCE:.0%} of the best "
-                f"samples/s); {headroom_batch} would fit with {headroom:.0%} headroom"
+                f"{by_headroom}; timings do not repeat closely enough for throughput to decide "
+                f"(batch {fastest} vs {headroom_batch}, repeated timings {noise:.0%} apart)"
+                if not steady
+                else f"{by_headroom}; repeated timings show it faster than batch {fastest}"
             ),
         )
-    return headroom_batch, fastest, f"the largest batch with peak reserved memory within {1 - headroom:.0%} of capacity"
+    return Recommendation(
+        fastest,
+        fastest,
+        (
+            f"throughput stops growing at batch {fastest} (within {THROUGHPUT_TOLERANCE:.0%} of the best "
+            f"samples/s, timings repeated {noise:.1%} apart); {headroom_batch} would fit with {headroom:.0%} headroom"
+        ),
+    )
 
 
 def _does_not_fit_message(
