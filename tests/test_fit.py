@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
 
 import memfit
 from memfit._plot import png_data_uri
+from memfit.errors import WorkloadError
 from memfit.reporting.figures import estimate_png, plan_png, probe_png
 from memfit.search.lock import load_lock
 
@@ -72,3 +78,106 @@ def test_fit_bad_input_writes_nothing(tmp_path, run_cli):
     )
     assert status == 2 and len(err.strip().splitlines()) == 1 and "unknown workload" in err
     assert list(tmp_path.iterdir()) == []
+
+
+# -- issue 14: the lock's reference, fit without the estimate, fit's axes --------------------------------
+
+#: pytorch/examples' models as workloads (tests/workloads), loaded by reference as a user's file is
+EXAMPLES = Path(__file__).parent / "workloads" / "pytorch_examples.py"
+
+TINY_SOURCE = textwrap.dedent(
+    """
+    import torch, memfit
+
+    def make():
+        return memfit.Workload(
+            model=lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)),
+            make_batch=lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),
+            loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+            name="my tiny classifier",
+        )
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine small steps run many times faster so."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_fit(workload, tmp_path, **options):
+    """fit at a small target and search bound, fp32 only, no report: the lock is what is checked."""
+    arguments = dict(
+        target_batch_size=8,
+        max_batch_size=16,
+        precisions=["fp32"],
+        lock_path=tmp_path / "memfit.lock",
+        report_dir=None,
+        run_doctor=False,
+    )
+    return memfit.fit(workload, "sim:8MiB", **{**arguments, **options})
+
+
+@pytest.mark.parametrize("kind", ["zoo", "file", "module"])
+def test_the_lock_records_the_reference_and_loads_it_again(kind, tmp_path, monkeypatch):
+    """Issue 14, item 4: the lock stored the workload's name, so load_workload(lock.workload) failed."""
+    (tmp_path / "tiny_workload.py").write_text(TINY_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ref = {"zoo": TINY, "file": f"{tmp_path / 'tiny_workload.py'}:make", "module": "tiny_workload:make"}[kind]
+    small_fit(ref, tmp_path)
+    lock = load_lock(tmp_path / "memfit.lock")
+    assert lock.workload == ref
+    loaded = memfit.load_workload(lock.workload)
+    assert loaded.reference == ref
+    if kind != "zoo":
+        assert lock.workload_name == loaded.name == "my tiny classifier"  # the name, kept for people
+    assert memfit.measure(loaded, lock.micro_batch_size, "sim:8MiB", lock.settings).fits
+
+
+def test_a_workload_object_has_no_reference_and_the_lock_says_so(tmp_path):
+    workload = memfit.Workload(
+        model=lambda: torch.nn.Linear(8, 2),
+        make_batch=lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),
+        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+        name="made in my script",
+    )
+    small_fit(workload, tmp_path)
+    text = (tmp_path / "memfit.lock").read_text()
+    assert 'name = "made in my script"' in text and "given as a Workload object, not a reference" in text
+    lock = load_lock(tmp_path / "memfit.lock")
+    assert lock.workload is None and lock.workload_name == "made in my script"
+    with pytest.raises(WorkloadError, match=r"a memfit\.lock made for a Workload object records none"):
+        memfit.load_workload(lock.workload)
+
+
+def test_fit_goes_on_when_the_estimate_cannot_run(tmp_path):
+    """Issue 14, item 8: nn.TransformerEncoder with a float mask stops fake tensors (aten._local_scalar_dense)."""
+    result = small_fit(f"{EXAMPLES}:transformer_language_model", tmp_path, target_batch_size=2)
+    assert result.estimate is None and "aten._local_scalar_dense" in result.estimate_error
+    assert result.plan.estimate_error is not None  # plan's pruning could not run either: it tried every candidate
+    summary = result.summary()
+    assert summary[0].startswith("Estimate: could not run (cannot estimate: operation aten._local_scalar_dense")
+    assert result.probe.trials[0].batch_size == 1  # searched from batch 1, as probe does without a guess
+    assert load_lock(tmp_path / "memfit.lock").settings.batch_size == 2
+    assert result.to_dict()["estimate_error"] == result.estimate_error
+
+
+def test_fit_command_leaves_axes_out(tmp_path, run_cli):
+    status, out, err = run_cli(
+        "fit", TINY, "--device", "sim:8MiB", "--target-batch", "8", "--max-batch-size", "16",
+        "--precision", "fp32", "--precision", "bf16", "--checkpointing", "none",
+        "--lock", str(tmp_path / "m.lock"), "--report-dir", str(tmp_path / "r"), "--no-doctor", "--json",
+    )  # fmt: skip
+    assert status == 0, err
+    data = json.loads(out)
+    assert {(c["precision"], c["checkpointing"]) for c in data["plan"]["candidates"]} <= {
+        ("fp32", "none"),
+        ("bf16", "none"),
+    }
+    assert {c["precision"] for c in data["plan"]["candidates"]} == {"fp32", "bf16"}
+    status, _, err = run_cli("fit", TINY, "--device", "sim:8MiB", "--checkpointing", "some")
+    assert status == 2 and "'some' is not one of none, blocks" in err

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import json
+import traceback
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import torch
 
 import memfit
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.measure import Measurement
 from memfit.run.settings import Settings
-from memfit.search.plan import advice, candidates, divisors, dominates, plan
+from memfit.search.plan import MAX_TARGET_BATCH, advice, candidates, divisors, dominates, plan
 
 MLP = "mlp:layers=4,width=64,features=32"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine the trials' small steps run faster so."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(
@@ -200,3 +213,149 @@ def test_plan_on_sim_with_the_real_estimator():
     check = memfit.measure(wl, best.settings.micro_batch_size, device, best.settings)
     assert check.fits
     assert result.trial_steps < 2 * len([c for c in result.candidates])
+
+
+# -- issue 14: headroom, candidates that fail for another reason, the target's bound ----------------------
+
+#: pytorch/examples' models as workloads (tests/workloads), loaded by reference as a user's file is
+EXAMPLES = Path(__file__).parent / "workloads" / "pytorch_examples.py"
+
+
+def test_a_candidate_above_the_headroom_is_shown_but_not_recommended():
+    """Issue 14, item 3: a lock recorded headroom 0.05 and a choice at 98.4 % of the device."""
+    fake = FormulaDevice(per_sample=100, capacity=1000)  # micro-batch 9 peaks at 1000, 8 at 900
+    device = memfit.device("sim:1000B")
+    result = plan(MLP, 72, device, precisions=["fp32"], checkpointing=["none"], predictor=None, run_trial=fake.trial)
+    status = {c.settings.micro_batch_size: c.status for c in result.candidates}
+    assert status[9] == "over headroom" and status[8] == "measured"
+    assert result.recommended.settings.micro_batch_size == 8
+    assert result.recommended.measurement.peak_reserved <= 0.95 * 1000
+    assert result.headroom == 0.05 and result.to_dict()["headroom"] == 0.05
+    loose = plan(
+        MLP, 72, device, precisions=["fp32"], checkpointing=["none"], predictor=None, run_trial=fake.trial, headroom=0
+    )
+    assert loose.recommended.settings.micro_batch_size == 9
+
+
+def test_nothing_within_the_headroom_is_refused_with_the_closest_candidate():
+    with pytest.raises(DoesNotFitError) as caught:
+        plan("mlp:layers=1,width=8,features=16384", 64, "sim:4MiB", precisions=["fp32"])
+    message = str(caught.value)
+    assert "within the 5% headroom" in message and "reserves 100.0% of it" in message
+
+
+def test_fit_keeps_the_headroom_in_the_lock_or_writes_none(tmp_path):
+    """On main this wrote a lock with headroom 0.05 for settings that reserve 100 % of the device."""
+    lock = tmp_path / "memfit.lock"
+    with pytest.raises(DoesNotFitError, match="within the 5% headroom"):
+        memfit.fit("mlp:layers=1,width=8,features=16384", "sim:4MiB", lock_path=lock, report_dir=None, run_doctor=False)
+    assert not lock.exists()
+    result = memfit.fit(
+        "mlp:layers=1,width=8,features=16384", "sim:4MiB", lock_path=lock, report_dir=None, run_doctor=False, headroom=0
+    )
+    assert result.lock.measured.headroom == 0 and lock.exists()
+
+
+def _failing_lstm_precision() -> str:
+    """The reduced precision this CPU cannot run an LSTM in (oneDNN: "could not create a primitive descriptor")."""
+    for precision in ("bf16", "fp16"):
+        try:
+            memfit.measure(f"{EXAMPLES}:word_language_model", 2, "sim:64MiB", Settings(precision=precision))
+        except RuntimeError as error:
+            if "primitive descriptor" in str(error):
+                return precision
+    pytest.skip("this CPU runs the LSTM in bf16 and fp16 alike: no candidate fails here")
+
+
+def test_a_candidate_that_fails_for_another_reason_is_shown_and_skipped():
+    """Issue 14, item 7: an LSTM in a precision oneDNN cannot run on this CPU failed the whole plan."""
+    failing = _failing_lstm_precision()
+    result = plan(f"{EXAMPLES}:word_language_model", 4, "sim:64MiB", precisions=["fp32", failing])
+    failed = [c for c in result.candidates if c.status.startswith("failed: ")]
+    assert failed and {c.settings.precision for c in failed} == {failing}
+    assert all("could not create a primitive descriptor" in c.status and "\n" not in c.status for c in failed)
+    assert result.recommended.settings.precision == "fp32"
+    assert any("failed for a reason other than memory" in note for note in result.advice)
+    assert [c.to_dict()["status"] for c in failed] == [c.status for c in failed]
+
+
+def test_when_every_candidate_fails_the_first_error_propagates_with_its_traceback():
+    failing = _failing_lstm_precision()
+    with pytest.raises(RuntimeError, match="could not create a primitive descriptor") as caught:
+        plan(f"{EXAMPLES}:word_language_model", 4, "sim:64MiB", precisions=[failing], predictor=None)
+    frames = [frame.f_code.co_name for frame, _ in traceback.walk_tb(caught.value.__traceback__)]
+    assert "run_steps" in frames and "forward" in frames  # down to the LSTM's forward
+
+
+def test_failing_candidates_of_one_precision_do_not_stop_the_others():
+    """Deterministic: a step that raises a real RuntimeError (not memory) in fp16 only."""
+    wl = memfit.load_workload(MLP)
+    plain = wl.loss
+
+    def loss(model, batch):
+        value = plain(model, batch)
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16:
+            raise RuntimeError("an op without a Half kernel\nsecond line")
+        return value
+
+    wl.loss = loss
+    seen = []
+    result = plan(
+        wl, 32, "sim:8MiB", precisions=["fp32", "fp16"], checkpointing=["none"], predictor=None, progress=seen.append
+    )
+    statuses = {(c.settings.precision, c.status) for c in result.candidates if c.status != "not run"}
+    assert ("fp16", "failed: RuntimeError: an op without a Half kernel") in statuses
+    assert result.recommended.settings.precision == "fp32"
+    assert any(c.status.startswith("failed: ") for c in seen)  # progress shows them as they fail
+    wl.loss = lambda model, batch: (_ for _ in ()).throw(ValueError("broken everywhere"))
+    with pytest.raises(ValueError, match="broken everywhere"):
+        plan(wl, 32, "sim:8MiB", precisions=["fp32", "fp16"], checkpointing=["none"], predictor=None)
+
+
+def test_a_nan_loss_refuses_the_plan():
+    wl = memfit.load_workload(MLP)
+    wl.loss = lambda model, batch: model(batch[0]).sum() * float("nan")
+    with pytest.warns(UserWarning, match="not finite"), pytest.raises(MemfitError) as caught:
+        plan(wl, 8, "sim:8MiB", precisions=["fp32"], checkpointing=["none"])
+    assert "the loss at batch 8 is nan" in str(caught.value) and not isinstance(caught.value, DoesNotFitError)
+
+
+@pytest.mark.parametrize("n", [1, 2, 36, 97, 720720, 2**24, 14414400])
+def test_divisors_in_square_root_time_agree_with_trial_division(n):
+    found = divisors(n)
+    assert found == sorted(found, reverse=True) and len(set(found)) == len(found)
+    assert all(n % d == 0 for d in found)
+    if n <= 720720:
+        assert found == [d for d in range(n, 0, -1) if n % d == 0]
+    if n == 14414400:
+        assert len(found) == 504  # the most divisors below the bound: at most 6 x 504 candidates
+
+
+def test_targets_above_the_bound_are_refused_at_once(run_cli):
+    """Issue 14, item 9: --target-batch 99999999999999 never ended (divisors by trial division)."""
+    status, out, err = run_cli("plan", "mlp", "--device", "sim:4MiB", "--target-batch", "99999999999999")
+    assert status == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "memfit: error: target batch 99999999999999 is above the largest memfit plans for "
+        "(16,777,216 = 2**24 samples per optimizer step)"
+    ]
+    # refused before anything else: a workload file that does not exist is not even looked for
+    status, _, err = run_cli("plan", "missing.py:make", "--device", "sim:4MiB", "--target-batch", "99999999999999")
+    assert status == 2 and "above the largest" in err
+    status, _, err = run_cli("fit", "missing.py:make", "--device", "sim:4MiB", "--target-batch", "99999999999999")
+    assert status == 2 and "above the largest" in err
+    with pytest.raises(MemfitError, match="above the largest"):
+        candidates(MAX_TARGET_BATCH + 1)
+    assert len(candidates(MAX_TARGET_BATCH, precisions=["fp32"], checkpointing=["none"])) == 25  # 2**24: 25 divisors
+
+
+def test_plan_command_takes_comma_lists_and_headroom(run_cli):
+    status, out, err = run_cli(
+        "plan", "mlp:layers=2,width=32,features=16", "--target-batch", "8", "--device", "sim:8MiB",
+        "--precision", "fp32,bf16", "--checkpointing", "none", "--headroom", "0.1", "--json",
+    )  # fmt: skip
+    assert status == 0, err
+    data = json.loads(out)
+    assert {c["precision"] for c in data["candidates"]} == {"fp32", "bf16"} and data["headroom"] == 0.1
+    status, _, err = run_cli("plan", "mlp", "--target-batch", "8", "--device", "sim:8MiB", "--precision", "fp32,fp64")
+    assert status == 2 and "'fp64' is not one of fp32, bf16, fp16" in err

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import click
 
-from memfit.cli.options import console, device_options, err_console, json_option, print_json, workload_argument
+from memfit.cli.options import (
+    console,
+    device_options,
+    err_console,
+    json_option,
+    print_json,
+    settings_axes_options,
+    workload_argument,
+)
 from memfit.memory.devices import device
 from memfit.search.fit import fit
+
+if TYPE_CHECKING:
+    from memfit.run.settings import Checkpointing, Precision
 
 
 @click.command("fit")
@@ -26,6 +39,7 @@ from memfit.search.fit import fit
     help="Stop the batch search here (the largest batch you would ever use).",
 )
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
+@settings_axes_options
 @click.option(
     "--headroom",
     type=click.FloatRange(0, 1, max_open=True),
@@ -57,6 +71,8 @@ def command(
     target: int | None,
     max_batch_size: int | None,
     world_size: int,
+    precisions: tuple[str, ...],
+    checkpointing: tuple[str, ...],
     headroom: float,
     lock_path: str,
     report_dir: str,
@@ -73,6 +89,8 @@ def command(
         headroom=headroom,
         max_batch_size=max_batch_size,
         world_size=world_size,
+        precisions=cast("tuple[Precision, ...]", precisions) or None,
+        checkpointing=cast("tuple[Checkpointing, ...]", checkpointing) or None,
         lock_path=lock_path,
         report_dir=report_dir,
         run_doctor=not no_doctor,

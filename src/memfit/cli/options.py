@@ -111,3 +111,50 @@ def print_environment_check(result: EnvironmentCheck, as_json: bool) -> int:
 
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+def choice_list(
+    choices: tuple[str, ...] | list[str],
+) -> Callable[[click.Context, click.Parameter, Any], tuple[str, ...]]:
+    """A click callback for a repeatable option that also takes comma lists.
+
+    ``--precision fp32 --precision bf16`` and ``--precision fp32,bf16`` give the same
+    tuple, in order, without repeats; an unknown value is a bad option (one line, exit 2).
+    """
+
+    def parse(_ctx: click.Context, param: click.Parameter, values: Any) -> tuple[str, ...]:
+        chosen: list[str] = []
+        for value in values or ():
+            for item in str(value).split(","):
+                item = item.strip()
+                if item not in choices:
+                    raise click.BadParameter(
+                        f"{item!r} is not one of {', '.join(choices)}", param_hint=f"'--{param.name}'"
+                    )
+                if item not in chosen:
+                    chosen.append(item)
+        return tuple(chosen)
+
+    return parse
+
+
+def settings_axes_options(function: F) -> F:
+    """``--precision`` and ``--checkpointing`` for plan and fit: which settings to consider."""
+    from memfit.run.settings import CHECKPOINTING, PRECISIONS
+
+    function = click.option(
+        "--checkpointing",
+        "checkpointing",
+        multiple=True,
+        callback=choice_list(CHECKPOINTING),
+        metavar="|".join(CHECKPOINTING),
+        help="Checkpointing modes to consider (repeatable or a comma list; default: all the model supports).",
+    )(function)
+    return click.option(
+        "--precision",
+        "precisions",
+        multiple=True,
+        callback=choice_list(PRECISIONS),
+        metavar="|".join(PRECISIONS),
+        help="Precisions to consider (repeatable or a comma list; default: all the device supports).",
+    )(function)

@@ -13,11 +13,11 @@ from memfit.cli.options import (
     err_console,
     json_option,
     print_json,
+    settings_axes_options,
     workload_argument,
 )
 from memfit.memory.devices import device
-from memfit.run.settings import CHECKPOINTING, PRECISIONS
-from memfit.search.plan import Candidate, Plan, plan
+from memfit.search.plan import Candidate, Plan, check_target, plan
 from memfit.units import format_size
 from memfit.workload import load_workload
 
@@ -36,19 +36,13 @@ if TYPE_CHECKING:
 )
 @device_options
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
+@settings_axes_options
 @click.option(
-    "--precision",
-    "precisions",
-    type=click.Choice(PRECISIONS),
-    multiple=True,
-    help="Precisions to consider (repeatable; default: all the device supports).",
-)
-@click.option(
-    "--checkpointing",
-    "checkpointing",
-    type=click.Choice(CHECKPOINTING),
-    multiple=True,
-    help="Checkpointing modes to consider (repeatable; default: all the model supports).",
+    "--headroom",
+    type=click.FloatRange(0, 1, max_open=True),
+    default=0.05,
+    show_default=True,
+    help="Fraction of memory the recommended settings leave free.",
 )
 @click.option(
     "--reference-batch",
@@ -66,11 +60,13 @@ def command(
     world_size: int,
     precisions: tuple[str, ...],
     checkpointing: tuple[str, ...],
+    headroom: float,
     reference_batch: int | None,
     plot: str | None,
     as_json: bool,
 ) -> None:
     """Choose micro-batch, accumulation, precision and checkpointing that reach TARGET fastest."""
+    check_target(target, world_size)  # before the workload is loaded
     wl = load_workload(workload)
     gpu = device(device_spec, memory=memory)
 
@@ -86,6 +82,7 @@ def command(
         precisions=cast("tuple[Precision, ...]", precisions) or None,
         checkpointing=cast("tuple[Checkpointing, ...]", checkpointing) or None,
         reference_batch_size=reference_batch,
+        headroom=headroom,
         progress=None if as_json else progress,
     )
     if plot:
@@ -132,6 +129,8 @@ def print_plan(result: Plan) -> None:
             mark,
         )
     console.print(table)
+    if result.estimate_error:
+        console.print(f"The estimate could not prune candidates ({result.estimate_error}); every one was tried.")
     console.print(f"[bold]Recommended:[/bold] {result.reason}")
     for note in result.advice:
         console.print(f"  • {note}")

@@ -1,10 +1,11 @@
 """memfit fit: the whole workflow in one call, the way careful practitioners do it by hand.
 
 1. **doctor**: is the environment sound (a CPU wheel, an old driver, another process)?
-2. **estimate**: how much memory one step needs, and the largest batch predicted to fit;
+2. **estimate**: how much memory one step needs, and the largest batch predicted to fit
+   (when fake tensors cannot run the step, fit goes on without it and says why);
 3. **probe**: the largest batch that really fits, exact, starting from the prediction;
 4. **plan**: the fastest micro-batch, accumulation, precision and checkpointing that
-   reach the target batch (by default the batch probe recommends);
+   reach the target batch (by default the batch probe recommends) within the headroom;
 5. **lock**: write ``memfit.lock`` (the settings, the measurements, the environment) and
    a report (HTML with the figures embedded).
 
@@ -19,7 +20,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,9 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
-from memfit.run.settings import Settings
+from memfit.run.settings import Checkpointing, Precision, Settings
 from memfit.search.lock import Lock, Measured, write_lock
-from memfit.search.plan import Plan, plan
+from memfit.search.plan import Plan, check_target, plan
 from memfit.workload import Workload, load_workload
 
 __all__ = ["fit", "FitResult"]
@@ -51,6 +52,8 @@ class FitResult:
     lock: Lock
     lock_path: Path
     report_path: Path | None
+    #: why the estimate could not run (None when it ran or was not asked for)
+    estimate_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +62,7 @@ class FitResult:
             "capacity": self.capacity,
             "doctor": self.diagnosis.to_dict() if self.diagnosis is not None else None,
             "estimate": self.estimate.to_dict() if self.estimate is not None else None,
+            "estimate_error": self.estimate_error,
             "probe": self.probe.to_dict(),
             "plan": self.plan.to_dict(),
             "lock": str(self.lock_path),
@@ -77,7 +81,12 @@ class FitResult:
                 f"Environment: {errors} error(s), {warnings} warning(s)"
                 + (" — run `memfit doctor` for the fixes." if errors or warnings else ".")
             )
-        if self.estimate is not None and self.estimate.max_batch_size is not None:
+        if self.estimate_error is not None:
+            lines.append(
+                f"Estimate: could not run ({self.estimate_error}); probe searched from batch 1 "
+                "and plan tried every candidate."
+            )
+        elif self.estimate is not None and self.estimate.max_batch_size is not None:
             lines.append(
                 f"Estimate: a step at batch {self.estimate.batch_size} needs {format_size(self.estimate.total)}; "
                 f"predicted largest batch {self.estimate.max_batch_size}."
@@ -105,6 +114,8 @@ def fit(
     headroom: float = 0.05,
     max_batch_size: int | None = None,
     world_size: int = 1,
+    precisions: Sequence[Precision] | None = None,
+    checkpointing: Sequence[Checkpointing] | None = None,
     lock_path: str | os.PathLike[str] = "memfit.lock",
     report_dir: str | os.PathLike[str] | None = "memfit-report",
     run_doctor: bool = True,
@@ -117,9 +128,12 @@ def fit(
         device: where to probe and plan (see :func:`memfit.device`).
         target_batch_size: the global batch per optimizer step (default: the batch probe
             recommends, times the world size).
-        headroom: the fraction of memory the recommendation leaves free.
+        headroom: the fraction of memory the recommendation leaves free (probe's
+            recommended batch and plan's chosen settings both keep it).
         max_batch_size: the largest batch worth considering.
         world_size: ranks sharing the target batch.
+        precisions: the precisions plan considers (default: all the device supports).
+        checkpointing: the checkpointing modes plan considers (default: all the model has).
         lock_path: where to write ``memfit.lock``.
         report_dir: where to write the HTML report and its figures (None: no report).
         run_doctor: check the environment first.
@@ -130,6 +144,10 @@ def fit(
     from memfit.search.probe import probe
 
     say = say or (lambda _text: None)
+    if target_batch_size is not None:
+        check_target(target_batch_size, world_size)  # before any long work
+    if not 0 <= headroom < 1:
+        raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
     wl = load_workload(workload)
     gpu = make_device(device)
     machine = system.current_probe()  # one probe: its answers are read once, for doctor and lock
@@ -140,24 +158,41 @@ def fit(
         say("doctor: checking the environment")
         diagnosis = diagnose(machine)
     predicted = None
+    estimate_error = None
     if gpu.capacity is not None and wl.builds_fresh_models:
         # (a model instance comes with the script's own optimizer: see probing.estimated_guess)
         say("estimate: predicting peak memory on fake tensors")
-        predicted = estimate(wl, None, Settings(), device=gpu)
+        try:
+            predicted = estimate(wl, None, Settings(), device=gpu)
+        except Exception as error:  # noqa: BLE001 - as probe does: the trials that follow decide
+            # Why go on: fake tensors cannot run every step (a value read in forward); the
+            # estimate only saves trials. A bug in the step shows up in the first trial.
+            lines = str(error).strip().splitlines()
+            estimate_error = lines[0] if lines else type(error).__name__
+            say(f"estimate: could not run ({estimate_error}); going on without it")
     say("probe: finding the largest batch that fits")
     found = probe(
         wl, gpu, headroom=headroom, max_batch_size=max_batch_size, guess=predicted.max_batch_size if predicted else None
     )  # no second estimate
     target = target_batch_size or found.recommended_batch_size * world_size
     say(f"plan: the fastest settings that reach batch {target}")
-    chosen = plan(wl, target, gpu, world_size=world_size)
+    chosen = plan(
+        wl,
+        target,
+        gpu,
+        world_size=world_size,
+        precisions=precisions,
+        checkpointing=checkpointing,
+        headroom=headroom,
+    )
     best = chosen.recommended
     if best is None or best.measurement is None:
         raise MemfitError(chosen.reason)
     from memfit.environment.envfile import fingerprint
 
     lock = Lock(
-        workload=wl.name,
+        workload=wl.reference,
+        workload_name=wl.name,
         settings=best.settings,
         target_batch_size=target,
         world_size=world_size,
@@ -196,4 +231,5 @@ def fit(
         lock=lock,
         lock_path=path,
         report_path=report_path,
+        estimate_error=estimate_error,
     )

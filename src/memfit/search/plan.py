@@ -22,12 +22,22 @@ samples/s of a candidate is ``micro_batch / seconds per trial step`` on one devi
 the world size): a trial step holds one micro-batch and one optimizer step, so it
 slightly favours larger micro-batches, which is also what accumulation rewards.
 
+What counts as fitting: a trial that ran without running out of memory, with its peak
+reserved memory within ``(1 - headroom)`` of the device (a candidate above that is shown
+as "over headroom" and not recommended). A trial that fails for another reason (an
+operation the device cannot run in that precision) is shown as "failed: <why>" and
+skipped; when every trial fails so, the first error propagates with its traceback. A loss
+that is NaN or infinite refuses the plan (:class:`~memfit.errors.MemfitError`): a broken
+step is not a memory problem. The target is bounded by :data:`MAX_TARGET_BATCH`.
+
 >>> [c.micro_batch_size for c in candidates(12, precisions=["fp32"], checkpointing=["none"])]
 [12, 6, 4, 3, 2, 1]
 """
 
 from __future__ import annotations
 
+import math
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +48,8 @@ from memfit._html import HtmlRepr
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
-from memfit.run.measure import Measurement, measure
+from memfit.memory.oom import is_oom, release_cached_memory
+from memfit.run.measure import Measurement, measure, non_finite_loss_message
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
@@ -48,6 +59,8 @@ __all__ = [
     "Plan",
     "Candidate",
     "candidates",
+    "check_target",
+    "MAX_TARGET_BATCH",
     "divisors",
     "dominates",
     "pareto_front",
@@ -56,11 +69,50 @@ __all__ = [
 
 #: how much faster one setting must be to be called faster, not noise
 SPEED_TOLERANCE = 0.02
+#: the largest target batch memfit plans for (2**24 samples per optimizer step). Why a
+#: bound: every divisor of the target is a micro-batch to consider; below 2**24 no number
+#: has more than 504 divisors (14,414,400 has the most), so a plan weighs at most
+#: 6 x 504 candidates, and a typing slip (99999999999999) is refused at once
+MAX_TARGET_BATCH = 2**24
 
 
 def divisors(n: int) -> list[int]:
-    """Every divisor of ``n``, largest first."""
-    return sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True)
+    """Every divisor of ``n``, largest first, in O(sqrt(n)) steps.
+
+    >>> divisors(12)
+    [12, 6, 4, 3, 2, 1]
+    """
+    small: list[int] = []
+    large: list[int] = []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return large + small[::-1]
+
+
+def check_target(target_batch_size: int, world_size: int = 1) -> None:
+    """Refuse a target batch memfit cannot plan for, in one line (before any work).
+
+    Args:
+        target_batch_size: samples per optimizer step over all ranks.
+        world_size: ranks sharing it; the target must be a multiple of it.
+    """
+    if target_batch_size < 1:
+        raise MemfitError(f"invalid target batch {target_batch_size}: must be at least 1")
+    if target_batch_size > MAX_TARGET_BATCH:
+        raise MemfitError(
+            f"target batch {target_batch_size} is above the largest memfit plans for "
+            f"({MAX_TARGET_BATCH:,} = 2**24 samples per optimizer step)"
+        )
+    if world_size < 1:
+        raise MemfitError(f"invalid world size {world_size}: must be at least 1")
+    if target_batch_size % world_size:
+        raise MemfitError(
+            f"target batch {target_batch_size} cannot be split over {world_size} processes: "
+            f"choose a multiple of {world_size}, such as {_nearest_multiple(target_batch_size, world_size)}"
+        )
 
 
 def candidates(
@@ -75,15 +127,7 @@ def candidates(
     Why exact: a plan that changes the global batch changes the training (learning-rate
     schedule, convergence), which is the user's decision, not memfit's.
     """
-    if target_batch_size < 1:
-        raise MemfitError(f"invalid target batch {target_batch_size}: must be at least 1")
-    if world_size < 1:
-        raise MemfitError(f"invalid world size {world_size}: must be at least 1")
-    if target_batch_size % world_size:
-        raise MemfitError(
-            f"target batch {target_batch_size} cannot be split over {world_size} processes: "
-            f"choose a multiple of {world_size}, such as {_nearest_multiple(target_batch_size, world_size)}"
-        )
+    check_target(target_batch_size, world_size)
     per_rank = target_batch_size // world_size
     return [
         Settings(precision=p, checkpointing=c, micro_batch_size=m, accumulation_steps=per_rank // m)
@@ -115,7 +159,9 @@ class Candidate:
     """One candidate and what the plan learnt about it."""
 
     settings: Settings
-    #: "measured", "out of memory", "too large (estimate)", "dominated", "not run"
+    #: "measured", "out of memory", "over headroom" (fits, but above (1 - headroom) of the
+    #: device), "too large (estimate)", "dominated", "not run", or "failed: <why>" (an
+    #: error other than out of memory)
     status: str
     predicted_max_micro_batch: int | None = None
     measurement: Measurement | None = None
@@ -206,6 +252,10 @@ class Plan(HtmlRepr):
     reason: str
     advice: list[str] = field(default_factory=list)
     trial_steps: int = 0
+    #: the fraction of memory a recommended candidate leaves free
+    headroom: float = 0.0
+    #: why the estimator could not prune candidates (None when it ran, or was not asked)
+    estimate_error: str | None = None
 
     @property
     def pareto(self) -> list[Candidate]:
@@ -228,6 +278,8 @@ class Plan(HtmlRepr):
             "reason": self.reason,
             "advice": list(self.advice),
             "trial_steps": self.trial_steps,
+            "headroom": self.headroom,
+            "estimate_error": self.estimate_error,
             "pareto": [c.to_dict() for c in self.pareto],
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -270,6 +322,7 @@ def plan(
     precisions: Sequence[Precision] | None = None,
     checkpointing: Sequence[Checkpointing] | None = None,
     reference_batch_size: int | None = None,
+    headroom: float = 0.05,
     predictor: Predictor | None = estimated_max_micro_batch,
     run_trial: Trial = trial,
     progress: Callable[[Candidate], None] | None = None,
@@ -282,23 +335,32 @@ def plan(
 
     Args:
         workload: a :class:`memfit.Workload` or a reference, resolved once here.
-        target_batch_size: samples per optimizer step over all ranks.
+        target_batch_size: samples per optimizer step over all ranks (at most
+            :data:`MAX_TARGET_BATCH`).
         device: where the trials run (see :func:`memfit.device`).
         world_size: ranks sharing the target batch.
         precisions: the precisions to consider (default: all the device supports).
         checkpointing: the checkpointing modes to consider (default: all the model has).
         reference_batch_size: the batch the learning rate was tuned for, for advice on
             scaling it.
+        headroom: the fraction of the device's memory a recommended candidate leaves free
+            (its peak reserved memory is at most ``(1 - headroom)`` of capacity).
         predictor: the largest micro-batch that fits for a group of settings (default:
-            the estimator); ``None`` runs every candidate.
+            the estimator); ``None`` runs every candidate. When it fails, every candidate
+            is tried and ``Plan.estimate_error`` says why.
         run_trial: runs one candidate (default: two optimizer steps of one micro-batch).
         progress: called with each candidate after its trial.
 
     Raises:
-        DoesNotFitError: no candidate fits.
+        DoesNotFitError: no candidate fits within the headroom.
+        MemfitError: a bad target or headroom; a trial whose loss is NaN or infinite.
     """
+    check_target(target_batch_size, world_size)
+    if not 0 <= headroom < 1:
+        raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
     wl = load_workload(workload)
     gpu = make_device(device)
+    budget = math.floor((1 - headroom) * gpu.capacity) if gpu.capacity else None
     precisions = [p for p in (precisions or PRECISIONS) if gpu.supports(p)]
     model = wl.build_model()
     checkpointing = list(checkpointing or _checkpointing_modes(model))
@@ -309,6 +371,8 @@ def plan(
 
     per_rank = target_batch_size // world_size
     trial_steps = 0
+    estimate_error: str | None = None
+    failures = _Failures()
     for group in _group_order(precisions, checkpointing):
         members = [s for s in pool if (s.precision, s.checkpointing) == group]
         # A group whose every candidate a measured one already beats costs nothing.
@@ -317,9 +381,15 @@ def plan(
                 results[s].status = "dominated"
         if all(results[s].status == "dominated" for s in members):
             continue
-        limit = (
-            predictor(wl, Settings(precision=group[0], checkpointing=group[1]), gpu, per_rank) if predictor else None
-        )
+        limit = None
+        if predictor is not None and estimate_error is None:
+            try:
+                limit = predictor(wl, Settings(precision=group[0], checkpointing=group[1]), gpu, per_rank)
+            except Exception as error:  # noqa: BLE001 - the estimate only prunes; trials decide
+                # Why go on: an operation fake tensors cannot run (a value read in the
+                # step) stops the estimate, not the trials; a bug in the step shows up
+                # unchanged in the first trial.
+                estimate_error = _one_line(error)
         for s in members:
             c = results[s]
             c.predicted_max_micro_batch = limit
@@ -331,25 +401,21 @@ def plan(
             if any(o.fits and dominates(o.settings, s) for o in results.values()):
                 c.status = "dominated"
                 continue
-            c.measurement = run_trial(wl, s, gpu)
+            c.measurement = failures.run(run_trial, wl, s, gpu)
             trial_steps += 2
-            if c.measurement.fits:
-                c.status = "measured"
+            c.status = _status(c.measurement, budget, failures.last_reason)
+            if c.fits:
+                assert c.measurement is not None
                 sps = c.measurement.samples_per_second
                 c.samples_per_second = None if sps is None else sps * world_size
-            else:
-                c.status = "out of memory"
             if progress:
                 progress(c)
 
+    failures.raise_if_every_trial_failed()
     measured = [c for c in results.values() if c.fits]
     ordered = list(results.values())
     if not measured:
-        smallest = min(pool, key=lambda s: (s.micro_batch_size, CHECKPOINTING.index(s.checkpointing)))
-        raise DoesNotFitError(
-            f"no settings reach batch {target_batch_size} on {gpu.describe()}: even micro-batch "
-            f"{smallest.micro_batch_size} with {_describe(smallest)} runs out of memory"
-        )
+        raise DoesNotFitError(_nothing_fits_message(target_batch_size, pool, ordered, gpu, headroom, failures))
     best = _recommend(measured)
     chosen = best.settings
     notes = advice(
@@ -364,6 +430,11 @@ def plan(
             f"{per_rank} is prime, so only micro-batch 1 reaches it exactly; a target of "
             f"{(per_rank - 1) * world_size} or {(per_rank + 1) * world_size} allows larger micro-batches."
         )
+    if failures.count:
+        notes.append(
+            f"{failures.count} candidate(s) failed for a reason other than memory and were skipped "
+            f"(first: {failures.first_reason})."
+        )
     return Plan(
         workload=wl.name,
         device=gpu.spec,
@@ -375,6 +446,107 @@ def plan(
         reason=_reason(best, measured, gpu),
         advice=notes,
         trial_steps=trial_steps,
+        headroom=headroom,
+        estimate_error=estimate_error,
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: first line of the message``, for a status or a summary."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+class _Failures:
+    """Trials that raised an error other than out of memory: counted, the first one kept.
+
+    Why keep the first with its traceback: when every trial fails so, the plan cannot say
+    anything and the user's own error is the answer (re-raised as it was). Why clear its
+    frames: the traceback's frames hold the failed step's tensors, which would otherwise
+    stay allocated on the device through every later trial.
+    """
+
+    def __init__(self) -> None:
+        self.first: Exception | None = None
+        self.count = 0
+        self.trials = 0
+        self.last_reason: str | None = None
+
+    @property
+    def first_reason(self) -> str:
+        return _one_line(self.first) if self.first is not None else ""
+
+    def run(self, run_trial: Trial, workload: Workload, settings: Settings, device: Device) -> Measurement | None:
+        """One trial; None when it failed for a reason other than memory."""
+        self.trials += 1
+        self.last_reason = None
+        failed = False
+        try:
+            measurement = run_trial(workload, settings, device)
+        except Exception as error:
+            if is_oom(error):
+                raise  # run_trial reports memory as a result; an OOM here is a bug to show
+            failed = True
+            self.count += 1
+            self.last_reason = _one_line(error)
+            if self.first is None:
+                traceback.clear_frames(error.__traceback__)
+                self.first = error
+        if failed:
+            release_cached_memory()  # outside the except block: the failed step's tensors go
+            device.empty_cache()
+            return None
+        if measurement.fits and not measurement.finite_loss:
+            raise MemfitError(
+                non_finite_loss_message(workload.name, measurement.batch_size, measurement.loss or math.nan)
+                + (
+                    f" (micro-batch {settings.micro_batch_size} in {settings.precision}; "
+                    f"if only {settings.precision} gives it, leave it out with --precision)"
+                    if settings.precision != "fp32"
+                    else f" (micro-batch {settings.micro_batch_size})"
+                )
+            )
+        return measurement
+
+    def raise_if_every_trial_failed(self) -> None:
+        if self.first is not None and self.count == self.trials:
+            raise self.first
+
+
+def _status(measurement: Measurement | None, budget: int | None, failure: str | None) -> str:
+    if measurement is None:
+        return f"failed: {failure}"
+    if not measurement.fits:
+        return "out of memory"
+    if budget is not None and measurement.peak_reserved > budget:
+        return "over headroom"
+    return "measured"
+
+
+def _nothing_fits_message(
+    target: int,
+    pool: Sequence[Settings],
+    ordered: Sequence[Candidate],
+    gpu: Device,
+    headroom: float,
+    failures: _Failures,
+) -> str:
+    over = [c for c in ordered if c.status == "over headroom" and c.measurement is not None]
+    failed = f"; {failures.count} candidate(s) failed for another reason (first: {failures.first_reason})"
+    failed = failed if failures.count else ""
+    if over:
+        least = min(over, key=lambda c: c.measurement.peak_reserved)  # type: ignore[union-attr]
+        assert least.measurement is not None and gpu.capacity
+        share = least.measurement.peak_reserved / gpu.capacity
+        return (
+            f"no settings reach batch {target} on {gpu.describe()} within the {headroom:.0%} headroom: "
+            f"the least memory, micro-batch {least.settings.micro_batch_size} with {_describe(least.settings)}, "
+            f"reserves {share:.1%} of it; lower the headroom or the target{failed}"
+        )
+    smallest = min(pool, key=lambda s: (s.micro_batch_size, CHECKPOINTING.index(s.checkpointing)))
+    return (
+        f"no settings reach batch {target} on {gpu.describe()}: even micro-batch "
+        f"{smallest.micro_batch_size} with {_describe(smallest)} runs out of memory{failed}"
     )
 
 
