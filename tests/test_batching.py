@@ -167,3 +167,67 @@ def test_concat_outputs_rejects_mismatched_structures() -> None:
         concat_outputs([{"a": torch.ones(1)}, {"b": torch.ones(1)}])
     with pytest.raises(MemfitError, match="no outputs"):
         concat_outputs([])
+
+
+# -- batch_dim: where the samples are -----------------------------------------------------------------
+
+SEQ_FIRST = (torch.arange(35 * 6).reshape(35, 6), torch.arange(35 * 6).reshape(35, 6) + 1000)  # (sequence, batch)
+
+
+def test_batch_dim_one_splits_sequence_first_tokens_along_the_batch() -> None:
+    assert count_samples(SEQ_FIRST, 1) == 6
+    micro_batches = split_batch(SEQ_FIRST, 4, batch_dim=1)
+    assert [m[0].shape for m in micro_batches] == [(35, 4), (35, 2)]
+    assert torch.equal(micro_batches[1][0], SEQ_FIRST[0][:, 4:])  # whole sequences, never cut
+    assert micro_batches[0][0].data_ptr() == SEQ_FIRST[0].data_ptr()  # views
+    joined = concat_outputs(micro_batches, batch_dim=1)
+    assert all(torch.equal(a, b) for a, b in zip(joined, SEQ_FIRST))
+
+
+def test_per_element_batch_dim_with_shared_data() -> None:
+    """Tokens (seq, batch), hidden state (layers, batch, hidden), a (seq, seq) mask every micro-batch gets whole."""
+    mask = torch.zeros(35, 35)
+    batch = {"tokens": SEQ_FIRST[0], "hidden": (torch.zeros(2, 6, 8), torch.ones(2, 6, 8)), "mask": mask}
+    spec = {"tokens": 1, "hidden": 1, "mask": None}  # an int at a container applies to everything under it
+    assert count_samples(batch, spec) == 6
+    micro = split_batch(batch, 5, batch_dim=spec)
+    assert [m["hidden"][1].shape for m in micro] == [(2, 5, 8), (2, 1, 8)]
+    assert all(m["mask"] is mask for m in micro)
+    assert count_samples(slice_batch(batch, 2, 5, spec), spec) == 3
+
+
+def test_batch_dim_as_a_function_of_path_and_tensor() -> None:
+    batch = (SEQ_FIRST[0], torch.arange(6))  # the second: one label per sequence
+
+    def dim(path: str, tensor: torch.Tensor) -> int:
+        return 1 if tensor.dim() == 2 else 0
+
+    assert count_samples(batch, dim) == 6
+    assert [m[1].tolist() for m in split_batch(batch, 3, batch_dim=dim)] == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize(
+    ("batch", "batch_dim", "message"),
+    [
+        (SEQ_FIRST, (1,), "batch_dim has 1 entries where batch has 2"),
+        ({"x": torch.zeros(3, 4)}, {"y": 0}, "batch_dim has keys ['y'] that batch does not have"),
+        ({"x": torch.zeros(3, 4), "y": torch.zeros(4)}, {"x": 1}, "batch_dim gives no dimension for batch['y']"),
+        ((torch.zeros(3), torch.zeros(3, 2)), 1, "batch[0] is a 1-dimensional tensor: it has no dimension 1"),
+        (SEQ_FIRST, -1, "invalid batch_dim -1"),
+        (SEQ_FIRST, (1, "x"), "invalid batch_dim 'x'"),
+        ((torch.zeros(3, 4), torch.zeros(3, 5)), 1, "disagree on dimension 1 (the sample count)"),
+    ],
+)
+def test_bad_batch_dims_are_one_line_errors(batch: Any, batch_dim: Any, message: str) -> None:
+    with pytest.raises(MemfitError) as caught:
+        count_samples(batch, batch_dim)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_outputs_join_along_the_batch_dim_of_a_per_element_spec() -> None:
+    from memfit.guard.batching import output_batch_dim
+
+    outputs = [torch.zeros(35, 4, 10), torch.ones(35, 2, 10)]
+    assert concat_outputs(outputs, output_batch_dim((1, 1, None))).shape == (35, 6, 10)
+    with pytest.raises(MemfitError, match="pass output_dim= to predict"):
+        concat_outputs(outputs, output_batch_dim((1, 0)))

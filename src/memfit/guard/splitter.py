@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +51,14 @@ from torch import nn
 
 from memfit import distributed
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.guard.batching import chunk_sizes, concat_outputs, count_samples, split_batch
+from memfit.guard.batching import (
+    BatchDim,
+    chunk_sizes,
+    concat_outputs,
+    count_samples,
+    output_batch_dim,
+    split_batch,
+)
 from memfit.guard.gradients import (
     add_gradients,
     drop_gradients,
@@ -59,11 +67,13 @@ from memfit.guard.gradients import (
     tensor_bytes,
 )
 from memfit.guard.policy import SplitPolicy
-from memfit.memory.devices import Device
+from memfit.guard.sequence import LayoutCheck
+from memfit.memory.allocator import round_size, segment_size
+from memfit.memory.devices import Device, active_device
 from memfit.memory.oom import is_oom, release_cached_memory
-from memfit.units import format_size
+from memfit.units import format_size, parse_size
 
-__all__ = ["Splitter", "SplitResult", "OOMEvent", "GuardError"]
+__all__ = ["Splitter", "SplitResult", "OOMEvent", "GuardError", "requested_bytes", "what_did_not_fit"]
 
 ForwardBackward = Callable[[Any, float], "torch.Tensor | float"]
 SplitFn = Callable[[Any, int], Sequence[Any]]
@@ -140,6 +150,7 @@ class _Failure:
     where: str
     allocated: int | None
     reserved: int | None
+    requested: int | None = None
 
 
 @dataclass
@@ -178,6 +189,52 @@ def _where_raised(tb: TracebackType | None) -> str:
         ):
             return "backward"
     return "forward"
+
+
+_REQUESTED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?\s*[KMGTP]?i?B)")
+
+
+def requested_bytes(error: BaseException) -> int | None:
+    """The bytes an OOM asked for, read from CUDA's message ("Tried to allocate 4.50 MiB"); None if absent.
+
+    >>> requested_bytes(RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 ..."))
+    2097152
+    """
+    found = _REQUESTED.search(str(error))
+    if found is None:
+        return None
+    try:
+        return parse_size(found.group(1))
+    except MemfitError:
+        return None
+
+
+def what_did_not_fit(capacity: int | None, allocated: int | None, reserved: int | None, requested: int | None) -> str:
+    """Why a request failed, in CUDA's allocator's terms: too little free, or segment rounding.
+
+    Why: "18 MiB of model states on a 40 MiB device" reads as if it should fit; what ran
+    out is the request at the moment of the OOM, and the allocator's cache around it. A
+    request of 1 to 10 MiB needs a whole new 20 MiB segment when no cached block serves
+    it, so 18 MiB free is not enough for a 4.5 MiB tensor.
+
+    >>> MiB = 2**20
+    >>> print(what_did_not_fit(40 * MiB, 14 * MiB, 22 * MiB, 9 * MiB // 2))
+    a request of 4.50 MiB needed a new 20.00 MiB segment (CUDA's allocator rounds requests of 1 to 10 MiB up to 20 MiB segments) with 18.00 MiB free; 8.00 MiB more were reserved but cached in blocks that could not serve it
+    """
+    if requested is None or capacity is None or reserved is None:
+        return ""
+    free = max(0, capacity - reserved)
+    segment = segment_size(round_size(requested))
+    if segment > requested and segment > free >= requested:
+        text = (
+            f"a request of {format_size(requested)} needed a new {format_size(segment)} segment "
+            f"(CUDA's allocator rounds requests of 1 to 10 MiB up to 20 MiB segments) with {format_size(free)} free"
+        )
+    else:
+        text = f"a request of {format_size(requested)} met {format_size(free)} free"
+    if allocated is not None and reserved > allocated:
+        text += f"; {format_size(reserved - allocated)} more were reserved but cached in blocks that could not serve it"
+    return text
 
 
 def _ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
@@ -221,12 +278,20 @@ class Splitter:
     After a successful :meth:`run` the parameters' ``.grad`` hold the whole batch's
     gradient (plus whatever gradient they held before, which an OOM never touches);
     under DDP it is already averaged over the ranks. The caller steps the optimizer.
+
+    ``batch_dim`` says where the samples are (see :mod:`memfit.guard.batching`): 0 by
+    default. Sequence-first modules in the model (``nn.LSTM`` and friends with
+    ``batch_first=False``) are watched on the first steps: a batch whose samples they
+    see along their sequence dimension is refused (:class:`~memfit.guard.sequence.LayoutError`)
+    before anything is split. Memory for events and errors is read from ``device``, else
+    from the memfit device entered (``with memfit.device(...)``), else from CUDA.
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
+        batch_dim: BatchDim | None = None,
         split: SplitFn | None = None,
         weight: WeightFn | None = None,
         grow_after: int | None = None,
@@ -237,8 +302,10 @@ class Splitter:
         on_discard: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
+        self.batch_dim: BatchDim = 0 if batch_dim is None else batch_dim
         self.split = split
         self.weight = weight
+        self.layout = LayoutCheck(model, explicit=batch_dim is not None)
         self.policy = SplitPolicy(limit=micro_batch_size, grow_after=grow_after)
         self.predict_policy = SplitPolicy(limit=micro_batch_size)
         self.device = device
@@ -326,7 +393,8 @@ class Splitter:
         for index, (micro, count) in enumerate(zip(micro_batches, sizes)):
             share = self._share(micro, count, samples, total_weight)
             try:
-                loss = forward_backward(micro, share)
+                with self.layout.expect(count):
+                    loss = forward_backward(micro, share)
             except BaseException as error:
                 if not is_oom(error):
                     raise
@@ -404,27 +472,36 @@ class Splitter:
 
     # -- inference ---------------------------------------------------------------------------
 
-    def predict(self, batch: Any, fn: Callable[[Any], Any]) -> Any:
+    def predict(self, batch: Any, fn: Callable[[Any], Any], *, output_dim: BatchDim | None = None) -> Any:
         """``fn`` over the batch under ``torch.no_grad()``, split on OOM; outputs concatenated.
 
         Local to each process: no collectives, so one rank may predict alone.
+
+        Args:
+            batch: the inputs, split along ``batch_dim`` like a training batch.
+            fn: ``fn(micro_batch)`` returns the outputs of a micro-batch.
+            output_dim: where the samples are in the outputs (default: ``batch_dim``; for a
+                per-element ``batch_dim``, the one dimension its elements share).
         """
         samples = self._count(batch)
+        joined_along = output_dim if output_dim is not None else output_batch_dim(self.batch_dim)
         while True:
             size = self.predict_policy.size_for(samples)
             outputs: list[Any] = []
             failure = None
             with torch.no_grad(), _no_collectives_in_forward_backward(self.model):
-                for index, micro in enumerate(self._split(batch, samples, size)):
+                micro_batches = self._split(batch, samples, size)
+                for index, (micro, count) in enumerate(zip(micro_batches, chunk_sizes(samples, size))):
                     try:
-                        outputs.append(fn(micro))
+                        with self.layout.expect(count):
+                            outputs.append(fn(micro))
                     except BaseException as error:
                         if not is_oom(error):
                             raise
                         failure = self._failure(index, error)
                         break
             if failure is None:
-                return concat_outputs(outputs)
+                return concat_outputs(outputs, joined_along)
             outputs.clear()  # this attempt's outputs go back before the retry
             self._release_memory()
             after = None if size <= 1 else self.predict_policy.shrink(size)
@@ -441,9 +518,9 @@ class Splitter:
     def _count(self, batch: Any) -> int:
         """Samples in the batch; with a custom ``split``, the number of one-sample micro-batches."""
         if self.split is None:
-            return count_samples(batch)
+            return count_samples(batch, self.batch_dim)
         try:
-            return count_samples(batch)
+            return count_samples(batch, self.batch_dim)
         except MemfitError:
             return len(self.split(batch, 1))
 
@@ -452,7 +529,8 @@ class Splitter:
             return [batch]  # the whole batch, untouched: the no-OOM path costs nothing
         self._warn_batchnorm_once()
         if self.split is None:
-            return split_batch(batch, size)
+            self.layout.before_split(f"batch_dim={self.batch_dim!r}" if self.batch_dim else "dimension 0")
+            return split_batch(batch, size, self.batch_dim)
         micro_batches = self.split(batch, size)
         expected = len(chunk_sizes(samples, size))
         if len(micro_batches) != expected:
@@ -478,11 +556,16 @@ class Splitter:
             return count / samples
         return float(self.weight(micro)) / total_weight
 
+    def _device(self) -> Device | None:
+        """The device given, else the memfit device entered in this thread (``with memfit.device(...)``)."""
+        return self.device if self.device is not None else active_device()
+
     def _memory(self) -> tuple[int | None, int | None]:
         """(allocated, reserved) bytes on the device now, or (None, None) when unknown."""
         stats: dict[str, int] | None = None
-        if self.device is not None:
-            stats = self.device.memory_stats()
+        device = self._device()
+        if device is not None:
+            stats = device.memory_stats()
         else:
             param = next(self.model.parameters(), None)
             if param is not None and param.is_cuda:
@@ -492,8 +575,9 @@ class Splitter:
         return stats.get("allocated_bytes.all.current"), stats.get("reserved_bytes.all.current")
 
     def _capacity(self) -> int | None:
-        if self.device is not None:
-            return self.device.capacity
+        device = self._device()
+        if device is not None and device.capacity is not None:
+            return device.capacity
         param = next(self.model.parameters(), None)
         if param is not None and param.is_cuda:
             return torch.cuda.get_device_properties(param.device).total_memory
@@ -502,13 +586,20 @@ class Splitter:
     def _failure(self, index: int, error: BaseException) -> _Failure:
         """The facts of an OOM, read while it is being handled (cheap; nothing is freed here)."""
         allocated, reserved = self._memory()
-        return _Failure(index=index, where=_where_raised(error.__traceback__), allocated=allocated, reserved=reserved)
+        return _Failure(
+            index=index,
+            where=_where_raised(error.__traceback__),
+            allocated=allocated,
+            reserved=reserved,
+            requested=requested_bytes(error),
+        )
 
     def _release_memory(self) -> None:
         """Return the failed attempt's memory: collect cycles, empty the allocator's cache."""
         release_cached_memory()
-        if self.device is not None:
-            self.device.empty_cache()
+        device = self._device()
+        if device is not None:
+            device.empty_cache()
 
     def _warn_batchnorm_once(self) -> None:
         if self._warned_batchnorm:
@@ -551,6 +642,7 @@ class Splitter:
             "gradients": tensor_bytes(gradients),
             "optimizer_state": tensor_bytes(list(optimizer_state_tensors(self.optimizer))),
         }
+        parts["requested"] = None if failure is None else failure.requested
         allocated = parts["allocated"]
         states = sum(int(parts[k] or 0) for k in ("parameters", "gradients", "optimizer_state"))
         parts["activations_and_temporaries"] = None if allocated is None else max(0, allocated - states)
@@ -562,14 +654,17 @@ class Splitter:
                 f"out of memory at micro-batch size 1 on rank {verdict.failed_rank} (in {verdict.where}): "
                 "one sample does not fit there; its error has the memory breakdown"
             )
+        names = {"activations_and_temporaries": "the activations and temporaries of one sample"}
         sizes = ", ".join(
-            f"{name.replace('_', ' ')} {format_size(value)}"
+            f"{names.get(name, name.replace('_', ' '))} {format_size(value)}"
             for name in ("parameters", "gradients", "optimizer_state", "activations_and_temporaries")
             if (value := parts[name]) is not None
         )
         capacity = f" of {format_size(parts['capacity'])}" if parts["capacity"] else ""
         allocated = f"{format_size(parts['allocated'])}{capacity} allocated: " if parts["allocated"] is not None else ""
+        cause = what_did_not_fit(parts["capacity"], parts["allocated"], parts["reserved"], parts["requested"])
         return (
             f"out of memory at micro-batch size 1 (in {failure.where}): one sample does not fit; "
-            f"at the OOM {allocated}{sizes}; try bf16, activation checkpointing, a shorter input or a smaller model"
+            f"at the OOM {allocated}{sizes}" + (f"; {cause}" if cause else "") + "; "
+            "try bf16, activation checkpointing, a shorter input or a smaller model"
         )

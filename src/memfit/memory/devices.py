@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
@@ -29,11 +30,43 @@ from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.units import format_size, parse_size
 
-__all__ = ["Device", "CudaDevice", "SimDevice", "device", "rank_device", "DEFAULT_SIM_MEMORY", "oom_message"]
+__all__ = [
+    "Device",
+    "CudaDevice",
+    "SimDevice",
+    "device",
+    "rank_device",
+    "active_device",
+    "DEFAULT_SIM_MEMORY",
+    "oom_message",
+]
 
 DEFAULT_SIM_MEMORY = "8GiB"
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: the devices entered in this thread, innermost last (see :func:`active_device`)
+_entered = threading.local()
+
+
+def active_device() -> Device | None:
+    """The innermost memfit device entered in this thread (``with memfit.device(...)``), or None.
+
+    Why: code beside the training loop (the guard's OOM events) must read the memory of
+    the device the loop runs on, a simulated one included, without being handed it.
+    """
+    stack: list[Device] = getattr(_entered, "stack", [])
+    return stack[-1] if stack else None
+
+
+def _push(entered: Device) -> None:
+    _entered.stack = [*getattr(_entered, "stack", []), entered]
+
+
+def _pop(left: Device) -> None:
+    stack: list[Device] = getattr(_entered, "stack", [])
+    if stack and stack[-1] is left:
+        _entered.stack = stack[:-1]
 
 
 class Device(ABC):
@@ -154,9 +187,11 @@ class SimDevice(Device):
         if self._depth == 0:
             self.tracker.__enter__()
         self._depth += 1
+        _push(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _pop(self)
         self._depth -= 1
         if self._depth == 0:
             self.tracker.__exit__(*exc)
@@ -206,9 +241,11 @@ class CudaDevice(Device):
     def __enter__(self) -> CudaDevice:
         self._previous = torch.cuda.current_device()
         torch.cuda.set_device(self.torch_device)
+        _push(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _pop(self)
         torch.cuda.set_device(self._previous)
 
     def memory_stats(self) -> dict[str, int]:
