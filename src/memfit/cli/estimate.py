@@ -26,6 +26,19 @@ if TYPE_CHECKING:
     help="Samples per forward/backward pass on each GPU (default: the largest that fits).",
 )
 @click.option(
+    "--accumulation-steps",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Micro-batches per optimizer step (gradient accumulation).",
+)
+@click.option(
+    "--max-batch/--no-max-batch",
+    "max_batch",
+    default=None,
+    help="Also find the largest batch that fits (default: only when --batch-size is not given).",
+)
+@click.option(
     "--gpu", default=None, metavar="NAME", help='A GPU model from the table, such as "RTX 3090" or a100-80gb.'
 )
 @click.option("--memory", default=None, metavar="SIZE", help="A GPU whose PyTorch allocator may reserve SIZE.")
@@ -42,7 +55,7 @@ if TYPE_CHECKING:
     "--cuda-version",
     default=None,
     metavar="X.Y",
-    help="CUDA of the torch build that will train, for the CUDA context "
+    help="CUDA of the torch build that will train, for the CUDA context and the kernels PyTorch picks "
     "(default: this torch's CUDA, else ./memfit.lock's, else a current CUDA 12).",
 )
 @settings_options
@@ -58,6 +71,8 @@ if TYPE_CHECKING:
 def command(
     workload: str,
     batch_size: int | None,
+    accumulation_steps: int,
+    max_batch: bool | None,
     gpu: str | None,
     memory: str | None,
     device_spec: str | None,
@@ -71,13 +86,15 @@ def command(
 ) -> None:
     """Predict the peak GPU memory of WORKLOAD's training step and what takes it.
 
-    Runs two optimizer steps on fake tensors (no memory, no arithmetic). With a target
-    (--gpu, --memory or --device sim:SIZE) it also finds the largest batch that fits.
+    Runs two optimizer steps on fake tensors (no memory, no arithmetic), as CUDA would run
+    them (its attention kernels, autocast lists, fused dropout, cuDNN RNNs). With a target
+    (--gpu, --memory or --device sim:SIZE) and no --batch-size it finds the largest batch
+    that fits (--max-batch: also with --batch-size).
     """
     result = estimate(
         workload,
         batch_size,
-        make_settings(precision, checkpointing),
+        make_settings(precision, checkpointing, accumulation_steps=accumulation_steps),
         gpu=gpu,
         memory=memory,
         device=device_spec,
@@ -85,6 +102,7 @@ def command(
         shard=cast("Shard", shard),
         fixed_costs=fixed_costs,
         cuda_version=cuda_version if cuda_version is not None else locked_cuda_version(),
+        search=max_batch,
     )
     if as_json:
         print_json(result.to_dict())

@@ -40,10 +40,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from memfit._html import HtmlRepr
 from memfit.batch_search import Outcome, SearchSpace, answer, run_search
 from memfit.cuda.context import fixed_costs as cuda_fixed_costs
 from memfit.cuda.context import resolve_cuda_version
+from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
 from memfit.estimator import sharding
 from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
@@ -74,6 +77,9 @@ class Target:
     bf16: bool = True
     #: the CUDA version the fixed costs are for (None: no fixed costs were derived)
     cuda_version: tuple[int, int] | None = None
+    #: the CUDA GPU whose kernels, autocast lists and dropout the fake steps follow
+    #: (memfit.cuda.semantics); None keeps the CPU's (the plain ``cpu`` device)
+    semantics: CudaTarget | None = field(default_factory=CudaTarget)
 
     @property
     def fixed_total(self) -> int:
@@ -99,33 +105,43 @@ def resolve_target(
         memory: a CUDA GPU whose allocator may reserve this much.
         device: a device spec (``sim:8GiB``, ``cuda``).
         fixed_costs: override the memory outside the tensors.
-        cuda_version: the CUDA of the user's torch build, for a GPU's fixed costs
-            (default: the installed torch's, else :data:`memfit.cuda.context.DEFAULT_CUDA_VERSION`).
+        cuda_version: the CUDA of the user's torch build, for a GPU's fixed costs and the
+            attention kernel PyTorch prefers on it (default: the installed torch's, else
+            :data:`memfit.cuda.context.DEFAULT_CUDA_VERSION`).
+
+    The target's ``semantics`` (:class:`~memfit.cuda.target.CudaTarget`) is the GPU whose
+    CUDA semantics the fake steps follow: the named GPU's capability, a real GPU's own, the
+    simulated GPU's for a ``sim:`` device (so estimate and measure agree), none for ``cpu``.
     """
     given = [name for name, value in (("gpu", gpu), ("memory", memory), ("device", device)) if value is not None]
     if len(given) > 1:
         raise MemfitError(f"give one target, not {' and '.join(given)}: --gpu NAME, --memory SIZE or --device sim:SIZE")
     fixed_override = None if fixed_costs is None else _parse_fixed(fixed_costs)
+    cuda, _ = resolve_cuda_version(cuda_version)
     if gpu is not None:
         card = gpu if isinstance(gpu, GPU) else lookup(gpu)
-        cuda, _ = resolve_cuda_version(cuda_version)
         if fixed_override is None:
             fixed = cuda_fixed_costs(card.family, card.compute_capability[0], cuda)
         else:
             fixed = {"fixed costs": fixed_override}
-        return Target(card.name, card.memory, fixed, cuda=True, bf16=card.bf16, cuda_version=cuda)
+        semantics = CudaTarget(card.compute_capability, cuda, card.name)
+        return Target(card.name, card.memory, fixed, cuda=True, bf16=card.bf16, cuda_version=cuda, semantics=semantics)
     if memory is not None:
         size = parse_size(memory)
         fixed = {"fixed costs": fixed_override} if fixed_override else {}
-        return Target(f"{format_size(size)} GPU", size, fixed, cuda=True)
+        return Target(f"{format_size(size)} GPU", size, fixed, cuda=True, semantics=CudaTarget(cuda_version=cuda))
     if device is not None:
         dev = make_device(device)
         if isinstance(dev, SimDevice):
-            return Target(dev.spec, dev.capacity, {}, cuda=False)
+            # the simulated GPU itself: its own semantics, so estimate and measure agree
+            return Target(dev.spec, dev.capacity, {}, cuda=False, semantics=dev.cuda)
         fixed = {"fixed costs": fixed_override} if fixed_override else {}
-        return Target(dev.describe(), dev.capacity, fixed, cuda=True, bf16=dev.supports("bf16"))
+        major, minor = torch.cuda.get_device_capability(dev.torch_device)
+        semantics = CudaTarget((major, minor), cuda, dev.describe())
+        return Target(dev.describe(), dev.capacity, fixed, cuda=True, bf16=dev.supports("bf16"), semantics=semantics)
     fixed = {"fixed costs": fixed_override} if fixed_override else {}
-    return Target("CUDA GPU (no memory given)", None, fixed, cuda=True)
+    semantics = CudaTarget(cuda_version=cuda)
+    return Target("CUDA GPU (no memory given)", None, fixed, cuda=True, semantics=semantics)
 
 
 def _parse_fixed(value: int | str) -> int:
@@ -157,6 +173,9 @@ class Estimate(HtmlRepr):
     shard: str = "none"
     #: the CUDA version the fixed costs are for ("12.8"; None when none were derived)
     cuda_version: str | None = None
+    #: the CUDA semantics the fake steps followed (GPU, CUDA and torch versions), or None
+    #: for the CPU's (the plain ``cpu`` device)
+    cuda: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,7 +229,7 @@ class _Prediction:
         if budget is not None and budget <= 0:
             raise MemfitError(f"the fixed costs ({format_size(target.fixed_total)}) leave no memory on {target.name}")
         self._workload, self._settings, self._target = workload, settings, target
-        self._run = run_fake_steps(workload, settings, foreach=target.cuda, budget=budget)
+        self._run = run_fake_steps(workload, settings, foreach=target.cuda, budget=budget, cuda=target.semantics)
         self._budget = budget
         self.fits = self._run.fits
         #: the allocator model's peak reserved bytes of the budgeted run (what the search needs)
@@ -222,7 +241,9 @@ class _Prediction:
         if self._peak is None:
             if not self._run.fits:
                 # What a batch that does not fit would need: the same steps without a limit.
-                self._run = run_fake_steps(self._workload, self._settings, foreach=self._target.cuda, budget=None)
+                self._run = run_fake_steps(
+                    self._workload, self._settings, foreach=self._target.cuda, budget=None, cuda=self._target.semantics
+                )
                 self._budget = None
             self._peak = analyze(self._run.events, budget=self._budget)
             self._run.events = []  # the replay is done: let the events go
@@ -241,7 +262,7 @@ def estimate(
     shard: Shard = "none",
     fixed_costs: int | str | None = None,
     cuda_version: str | tuple[int, ...] | None = None,
-    search: bool = True,
+    search: bool | None = None,
     search_limit: int | None = None,
 ) -> Estimate:
     """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
@@ -264,8 +285,9 @@ def estimate(
             workspaces).
         cuda_version: the CUDA of the torch build that will train (``"11.8"``,
             ``"cu124"``), for a GPU's CUDA context (default: the installed torch's CUDA,
-            else :data:`memfit.cuda.context.DEFAULT_CUDA_VERSION`).
-        search: also find ``max_batch_size`` when ``batch_size`` is given.
+            else :data:`memfit.cuda.context.DEFAULT_CUDA_VERSION`); also which attention
+            kernel PyTorch prefers there (cuDNN first on sm90/sm100 with CUDA 13 wheels).
+        search: find ``max_batch_size`` (default: only when ``batch_size`` is not given).
         search_limit: the largest batch worth proving (tried first; when it fits the
             search ends at once).
     """
@@ -275,6 +297,8 @@ def estimate(
     if batch_size is not None and batch_size < 1:
         raise MemfitError(f"invalid batch size {batch_size}: must be at least 1")
     target = resolve_target(gpu, memory, device, fixed_costs, cuda_version)
+    if search is None:
+        search = batch_size is None
     if settings.precision == "bf16" and not target.bf16:
         raise MemfitError(f"{target.name} does not support bf16: use --precision fp16 or fp32")
     sharded = world_size > 1
@@ -328,4 +352,5 @@ def estimate(
         world_size=world_size,
         shard=shard,
         cuda_version=None if target.cuda_version is None else "{}.{}".format(*target.cuda_version),
+        cuda=target.semantics.describe() if target.semantics is not None else None,
     )

@@ -24,9 +24,10 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,9 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
+from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
@@ -134,8 +137,8 @@ def _zero_like_scalar(tensor: torch.Tensor) -> float | int | bool:
 class _FakeDevice(SimDevice):
     """A simulated GPU (optionally with a budget) recording every event, on fake tensors."""
 
-    def __init__(self, budget: int | None = None) -> None:
-        super().__init__(budget, "fake", record=True)
+    def __init__(self, budget: int | None = None, cuda: CudaTarget | None = None) -> None:
+        super().__init__(budget, "fake", record=True, cuda=cuda)
         self.tracker = _FakeStepTracker(self)
 
     def describe(self) -> str:
@@ -162,15 +165,53 @@ def _with_foreach(
     return make
 
 
-def _fake_workload(workload: Workload, mode: FakeTensorMode, foreach: bool) -> Workload:
-    """The workload with its model made under fake mode and, for CUDA, foreach optimizers."""
+def _fake_workload(workload: Workload, mode: FakeTensorMode, foreach: bool, positions: PositionsWatch) -> Workload:
+    """The workload with its model made under fake mode and, for CUDA, foreach optimizers.
+
+    Its batches are shown to ``positions`` (see :mod:`memfit.estimator.transformers_masks`).
+    """
     changes: dict[str, Any] = {}
     if isinstance(workload.model, nn.Module):
         with FakeCopyMode(mode):
             changes["model"] = copy.deepcopy(workload.model)
     if foreach:
         changes["optimizer"] = _with_foreach(workload.optimizer)
-    return dataclasses.replace(workload, **changes) if changes else workload
+    make_batch = workload.make_batch
+
+    def observed_batch(size: int) -> Any:
+        batch = make_batch(size)
+        positions.observe(batch)
+        return batch
+
+    changes["make_batch"] = observed_batch
+    return dataclasses.replace(workload, **changes)
+
+
+@contextlib.contextmanager
+def _swappable_parameters(mode: FakeTensorMode) -> Iterator[None]:
+    """Let ``Module.to(dtype)`` / ``.half()`` convert a model's fake parameters.
+
+    Why: ``Module._apply`` converts a fake parameter with ``torch.utils.swap_tensors``,
+    which refuses a tensor that has a weak reference, and fake mode's converter memo
+    keeps one to every fake parameter made by ``nn.Parameter`` (its ``detach()``). A
+    factory that changes the model's dtype would fail with "Couldn't swap Linear.weight".
+    The memo entries of the two tensors being swapped are dropped first: they map tensors
+    this run never converts again.
+    """
+    original = torch.utils.swap_tensors
+    memo = mode.fake_tensor_converter.tensor_memo
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for key, value in list(memo.items()):
+            if value is t1 or value is t2:
+                del memo[key]
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
 
 
 def run_fake_steps(
@@ -180,22 +221,25 @@ def run_fake_steps(
     steps: int = 2,
     foreach: bool = False,
     budget: int | None = None,
+    cuda: CudaTarget | None = None,
 ) -> FakeRun:
     """Run ``steps`` optimizer steps of ``workload`` on fake tensors; return the events.
 
     ``budget`` caps modeled reserved memory as the simulated GPU does (an OOM there is
     ``fits=False``, not an error). ``foreach=True`` gives optimizers CUDA's default
-    implementation (see :func:`_with_foreach`). Raises :class:`UnsupportedOperation` for
-    what fake tensors cannot run; any other error propagates unchanged.
+    implementation (see :func:`_with_foreach`). ``cuda`` is the CUDA GPU whose semantics
+    the steps follow (:mod:`memfit.cuda.semantics`); None keeps the CPU's. Raises
+    :class:`UnsupportedOperation` for what fake tensors cannot run; any other error
+    propagates unchanged.
     """
-    device = _FakeDevice(budget)
+    device = _FakeDevice(budget, cuda)
     # allow_non_fake_inputs: a batch or a constant made outside fake mode is converted
     # (and its storage counted), as it would be copied to the GPU.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fits = True
     try:
-        with mode:
-            fake = _fake_workload(workload, mode, foreach)
+        with mode, _swappable_parameters(mode), watching_positions() as positions:
+            fake = _fake_workload(workload, mode, foreach, positions)
             run_steps(fake, settings, device, steps=steps, label_modules=True)
     except Exception as error:
         if not is_oom(error):

@@ -15,6 +15,7 @@ budget, so the whole of memfit can be exercised (and trusted) on a machine witho
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 
+from memfit.cuda.semantics import cuda_semantics
+from memfit.cuda.target import CudaTarget
 from memfit.distributed import launched_by_torchrun
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
@@ -141,24 +144,44 @@ def oom_message(requested: int, stats: dict[str, Any], capacity: int, label: str
     )
 
 
+_SIM_GPU = "sim-gpu"  # the default of SimDevice's ``cuda``: a simulated GPU's CUDA semantics
+
+
 class SimDevice(Device):
     """A GPU simulated on the CPU: real tensors, CUDA's allocator rules, a memory budget.
 
     ``capacity=None`` gives an unlimited device (``cpu``): the same accounting, no OOM.
     ``record=True`` keeps every allocation and free in :attr:`events` (for breakdowns).
+    ``cuda`` is the CUDA GPU whose semantics the steps follow (:mod:`memfit.cuda.semantics`:
+    attention kernels, autocast lists, fused dropout, cuDNN RNNs): by default the
+    simulated GPU's (:class:`~memfit.cuda.target.CudaTarget`), except for the plain
+    ``cpu`` device, which keeps the CPU's; ``None`` keeps the CPU's.
     """
 
     simulated = True
     autocast_device_type = "cpu"
 
-    def __init__(self, capacity: int | None, spec: str | None = None, *, record: bool = False) -> None:
+    def __init__(
+        self,
+        capacity: int | None,
+        spec: str | None = None,
+        *,
+        record: bool = False,
+        cuda: CudaTarget | str | None = _SIM_GPU,
+    ) -> None:
         self.capacity = capacity
         self.spec = spec or (f"sim:{format_size(capacity).replace(' ', '')}" if capacity else "cpu")
         self.torch_device = torch.device("cpu")
         self.allocator = CachingAllocatorModel(budget=capacity)
         self.tracker = StorageTracker(self)
         self.events: list[tuple[str, int, int, Labels]] | None = [] if record else None
+        if cuda == _SIM_GPU:
+            cuda = None if self.spec == "cpu" else CudaTarget()
+        assert cuda is None or isinstance(cuda, CudaTarget)
+        #: the CUDA GPU whose semantics runs on this device follow, or None for the CPU's
+        self.cuda: CudaTarget | None = cuda
         self._depth = 0
+        self._semantics: contextlib.ExitStack | None = None
 
     # -- StorageListener: the tracker reports here -------------------------------------
 
@@ -185,16 +208,21 @@ class SimDevice(Device):
 
     def __enter__(self) -> SimDevice:
         if self._depth == 0:
-            self.tracker.__enter__()
+            stack = contextlib.ExitStack()
+            if self.cuda is not None:
+                stack.enter_context(cuda_semantics(self.cuda))
+            stack.enter_context(self.tracker)
+            self._semantics = stack
         self._depth += 1
         _push(self)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         _pop(self)
         self._depth -= 1
-        if self._depth == 0:
-            self.tracker.__exit__(*exc)
+        if self._depth == 0 and self._semantics is not None:
+            stack, self._semantics = self._semantics, None
+            stack.__exit__(*exc)
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         self.tracker.adopt(tensors)

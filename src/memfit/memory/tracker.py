@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memfit.cuda.counting import counting
+
 __all__ = ["StorageTracker", "StorageListener", "Labels", "current_labels", "labelled"]
 
 
@@ -145,6 +147,8 @@ class StorageTracker(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if not counting():  # CPU-only scratch work of an emulated CUDA kernel (memfit.cuda)
+            return self._call(func, args, kwargs)
         for storage in _storages((args, kwargs)):
             self._see(storage)
         out = self._call(func, args, kwargs)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memfit.cuda.semantics import autocast_device_type
 from memfit.errors import MemfitError
 
 __all__ = [
@@ -107,15 +108,19 @@ class Settings:
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[None]:
-    """``torch.amp.autocast`` for bf16/fp16; a null context for fp32."""
+    """``torch.amp.autocast`` for bf16/fp16; a null context for fp32.
+
+    On a simulated GPU (inside :func:`memfit.cuda.semantics.cuda_semantics`) without
+    CUDA, ``"cuda"`` means CPU autocast, which then follows CUDA's lists.
+    """
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.amp.autocast(device_type=device_type, dtype=_DTYPES[precision])
+    return torch.amp.autocast(device_type=autocast_device_type(device_type), dtype=_DTYPES[precision])
 
 
 def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler:
     """fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not."""
-    return torch.amp.GradScaler(device_type, enabled=precision == "fp16")
+    return torch.amp.GradScaler(autocast_device_type(device_type), enabled=precision == "fp16")
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:

@@ -3,7 +3,7 @@
 A zoo reference is a name, optionally followed by ``:`` and comma-separated options:
 ``gpt``, ``gpt:layers=2,seq_len=128``, ``resnet50:image_size=64``.
 
-The pure torch entries (``mlp``, ``convnet``, ``gpt``) need only memfit's core
+The pure torch entries (``mlp``, ``convnet``, ``gpt``, ``lstm-lm``) need only memfit's core
 dependencies; the others are built from transformers config classes and need the extra
 (``pip install 'memfit[hf]'``).
 
@@ -14,6 +14,8 @@ name            model (default shapes)                           options
 ``convnet``     pure torch CNN, 4 conv blocks, 64 ch, 64x64 RGB  blocks, channels, image_size, classes
 ``gpt``         GPT decoder in pure torch (nanoGPT-style),       layers, embd, heads, seq_len, vocab,
                 GPT-2 124M shapes, sequence 1024                 dropout, bias, tied
+``lstm-lm``     pure torch LSTM language model (PyTorch's        vocab, emsize, hidden, layers, seq_len,
+                word_language_model), 2 layers of 200, seq 35    dropout
 ``gpt2``        GPT-2 124M, causal LM, sequence 1024             seq_len + GPT2Config fields
 ``bert-base``   BERT base, masked LM, sequence 512               seq_len + BertConfig fields
 ``vit-base``    ViT-B/16, image classification, 224x224          image_size + ViTConfig fields
@@ -22,7 +24,7 @@ name            model (default shapes)                           options
 ``llama-7b``    Llama 2 7B shapes, causal LM, sequence 2048      seq_len + LlamaConfig fields
 ==============  ===============================================  =====================================
 
-``gpt``'s ``dropout`` (0.1, as GPT-2) is a probability in [0, 1); ``bias`` (biases in
+``gpt``'s ``dropout`` (0.1, as GPT-2) and ``lstm-lm``'s (0.2) are probabilities in [0, 1); ``bias`` (biases in
 the linear layers and LayerNorms) and ``tied`` (the LM head shares the token embedding)
 are true or false. Every transformers entry also accepts ``layers``, ``hidden``, ``heads`` and
 ``intermediate`` as short names for its config's fields, and ``classes`` / ``vocab``.
@@ -411,7 +413,44 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
     ),
 }
 
-_TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {"mlp": _mlp, "convnet": _convnet, "gpt": _gpt}
+class LSTMLanguageModel(nn.Module):
+    """PyTorch's word_language_model example (examples/word_language_model/model.py, LSTM):
+    embedding, dropout, stacked LSTM (dropout between layers), dropout, linear decoder."""
+
+    def __init__(self, vocab: int, emsize: int, hidden: int, layers: int, dropout: float) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(vocab, emsize)
+        self.rnn = nn.LSTM(emsize, hidden, layers, dropout=dropout)
+        self.decoder = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        output, _ = self.rnn(self.drop(self.encoder(tokens)))
+        return self.decoder(self.drop(output))
+
+
+def _lstm_lm(
+    vocab: int = 10000, emsize: int = 200, hidden: int = 200, layers: int = 2, seq_len: int = 35, dropout: float = 0.2
+) -> Workload:
+    """The example's defaults (bptt 35, dropout 0.2); batches are (seq_len, batch), time first."""
+
+    def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, vocab, (seq_len + 1, n))
+        return tokens[:-1], tokens[1:]
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        return F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
+
+    return Workload(
+        model=lambda: LSTMLanguageModel(vocab, emsize, hidden, layers, float(dropout)),
+        make_batch=make_batch,
+        loss=loss,
+        info={"vocab": vocab, "hidden": hidden, "layers": layers, "seq_len": seq_len},
+    )
+
+
+_TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {"mlp": _mlp, "convnet": _convnet, "gpt": _gpt, "lstm-lm": _lstm_lm}
 
 #: every zoo name, in the order of the table above
 ENTRIES: tuple[str, ...] = tuple(_TORCH_ENTRIES) + tuple(_HF_ENTRIES)
@@ -423,6 +462,7 @@ TINY: dict[str, str] = {
     "mlp": "mlp:layers=2,width=32,features=16",
     "convnet": "convnet:blocks=2,channels=8,image_size=16",
     "gpt": "gpt:layers=2,embd=32,heads=2,seq_len=16,vocab=128",
+    "lstm-lm": "lstm-lm:vocab=128,emsize=16,hidden=16,layers=2,seq_len=8",
     "gpt2": "gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=16,vocab_size=128",
     "bert-base": "bert-base:layers=1,hidden=32,heads=2,intermediate=64,seq_len=16,vocab_size=128",
     "vit-base": "vit-base:layers=1,hidden=32,heads=2,intermediate=64,image_size=32,classes=10",
