@@ -75,6 +75,8 @@ def memfit_labels():  # the first backward allocation of the second step ends it
         ("convnet:blocks=2,channels=8,image_size=16", 4, "bf16", "blocks"),
         (TINY_GPT2, 2, "fp32", "none"),
         (TINY_GPT2, 2, "bf16", "blocks"),
+        ("lstm-lm:vocab=128,emsize=16,hidden=16,layers=2,seq_len=8", 4, "fp32", "none"),
+        ("lstm-lm:vocab=512,emsize=32,hidden=64,layers=2,seq_len=16", 16, "bf16", "none"),
     ],
 )
 def test_estimate_equals_sim_measurement(ref: str, batch: int, precision: str, checkpointing: str) -> None:

@@ -17,7 +17,8 @@ from C++. Each policy is CUDA's (aten/src/ATen/autocast_mode.h, ``WrapFunction_`
 - ``fp32_append_dtype``: ``norm`` redispatched with ``dtype=float32``;
 - ``promote``: eligible tensors cast to the widest floating type among them;
 - ``banned``: ``binary_cross_entropy`` raises CUDA's error;
-- an op only CPU autocast lists runs uncast, as CUDA runs it.
+- an op only CPU autocast lists falls through, as on CUDA: it runs uncast, and the ops it
+  calls meet autocast themselves.
 
 The weight-cast cache of the lower-precision ops only CUDA lists (addmv, einsum, the RNN
 cells, ...) holds its casts weakly, keyed on the weight and its version; CUDA's holds them
@@ -198,13 +199,6 @@ def _banned(*_args: Any, **_kwargs: Any) -> Any:
     raise RuntimeError(BANNED_MESSAGE)
 
 
-def _passthrough(op: Any) -> Callable[..., Any]:
-    def kernel(*args: Any, **kwargs: Any) -> Any:
-        return _below(op, args, kwargs)
-
-    return kernel
-
-
 def _overload(name: str) -> Any:
     base, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, base), overload or "default")
@@ -250,7 +244,9 @@ def register_kernels(library: torch.library.Library, lists: AutocastLists) -> in
         elif policy == "banned":
             kernel = _banned
         else:
-            kernel = _passthrough(op)
+            # CUDA lists it not: fall through (autocast stays on for the ops it calls, as
+            # cross_entropy's log_softmax and nll_loss on CUDA)
+            kernel = torch.library.fallthrough_kernel
         library.impl(name, kernel, "AutocastCPU")
         count += 1
     return count
