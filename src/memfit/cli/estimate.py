@@ -163,6 +163,8 @@ def summary_line(result: Estimate) -> str:
         return "No target memory given: add --gpu NAME, --memory SIZE or --device sim:SIZE for fits and max batch size."
     verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
     line = f"Batch {result.batch_size} {verdict} in {format_size(result.memory)} ({result.target})."
+    if result.cuda:
+        line += f" As CUDA runs it: {result.cuda}."
     if result.max_batch_size is not None:
         line += f" Largest batch that fits: {result.max_batch_size}."
     return line

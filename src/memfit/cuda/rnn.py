@@ -56,7 +56,7 @@ def reserve_bytes(
     check it against ``torch.cuda.memory_allocated`` on a GPU.
 
     >>> reserve_bytes("lstm", seq_len=35, batch=20, hidden=200, layers=2, directions=1, itemsize=4)
-    3360000
+    6720000
     """
     vectors = GATES[mode] + _STATES[mode]
     return layers * directions * seq_len * batch * hidden * vectors * itemsize
