@@ -142,7 +142,8 @@ def main() -> None:
     text = f"""## memfit estimate: accuracy on the simulated GPU, cost on Llama 7B
 
 Command: `{COMMAND}` ({platform.machine()}, {memfit.__version__}, torch {torch.__version__},
-{os.cpu_count()} CPUs; load average {load_average()} at the end: the machine was shared).
+{os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s); load average {load_average()} at the end:
+the machine was shared).
 
 Predicted (`memfit.estimate(..., device="{SIM}")`, fake tensors) against measured
 (`memfit.measure(..., "{SIM}")`, real tensors) peak allocated and reserved; error =

@@ -30,36 +30,47 @@ import torch
 
 from memfit.cuda.counting import fill, not_counted
 
-__all__ = ["Mode", "cudnn_rnn", "reserve_bytes", "GATES"]
+__all__ = ["Mode", "cudnn_rnn", "reserve_bytes", "RESERVE_SCALE"]
 
 Mode = Literal["lstm", "gru", "rnn_tanh", "rnn_relu"]
 
-#: gates per cell (cuDNN's CUDNN_LSTM, CUDNN_GRU, CUDNN_RNN_TANH/RELU)
-GATES: dict[str, int] = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
-
-#: hidden-sized vectors kept per layer, direction, step and sample besides the gates
-_STATES: dict[str, int] = {"lstm": 2, "gru": 2, "rnn_tanh": 1, "rnn_relu": 1}
+#: hidden-sized tensors per step and layer that MIOpen's reserve space scales by
+#: (ROCm/MIOpen src/rnn.cpp, ``RNNDescriptor`` constructor: ``workspaceScale``)
+RESERVE_SCALE: dict[str, int] = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 6, "gru": 4}
 
 
 def reserve_bytes(
-    mode: Mode, seq_len: int, batch: int, hidden: int, layers: int, directions: int, itemsize: int
+    mode: Mode,
+    seq_len: int,
+    batch: int,
+    hidden: int,
+    layers: int,
+    directions: int,
+    itemsize: int,
+    dropout: float = 0.0,
 ) -> int:
-    """The reserve space of a training ``_cudnn_rnn`` call: a model, not a cuDNN figure.
+    """The reserve space a training ``_cudnn_rnn`` call keeps for backward.
 
-    cuDNN does not document the size (``cudnnGetRNNTempSpaceSizes`` computes it at run
-    time; PyTorch's meta kernel for ``_cudnn_rnn`` returns 0 for it, "TODO: Query
-    cudnnGetRNNTrainingReserveSize"). This model counts what cuDNN's backward needs from
-    the forward that is not otherwise kept: for every layer, direction, step and sample,
-    the gate activations (LSTM 4, GRU 3, RNN 1 × hidden) and the states the recurrence
-    reads back (LSTM: cell and hidden; GRU: hidden and the reset-gated hidden
-    contribution; RNN: hidden), in the compute dtype. ``bench/gpu_accuracy.py`` should
-    check it against ``torch.cuda.memory_allocated`` on a GPU.
+    cuDNN computes it at run time (``cudnnGetRNNTempSpaceSizes``) and does not publish the
+    formula; PyTorch's meta kernel for ``_cudnn_rnn`` returns none ("TODO: Query
+    cudnnGetRNNTrainingReserveSize"). This is the open formula of AMD's MIOpen, which
+    implements the same API (src/rnn.cpp ``RNNDescriptor::GetReserveSize``):
+    2 × scale × layers × steps × hidden elements, for an LSTM halved plus one hidden state
+    per step and layer, plus every layer but the last's output and its 1-byte dropout mask
+    when dropout is on; twice for two directions. The published-figures work holds the
+    same formula as ``memfit.cuda.cudnn.rnn_reserve_bytes``, with its check against the one
+    published cuDNN pair (pytorch/pytorch#2895); bench/gpu_accuracy.py measures cuDNN's.
 
-    >>> reserve_bytes("lstm", seq_len=35, batch=20, hidden=200, layers=2, directions=1, itemsize=4)
-    6720000
+    >>> reserve_bytes("lstm", seq_len=35, batch=20, hidden=256, layers=2, directions=1, itemsize=4)
+    10035200
     """
-    vectors = GATES[mode] + _STATES[mode]
-    return layers * directions * seq_len * batch * hidden * vectors * itemsize
+    steps = seq_len * batch
+    size = 2 * RESERVE_SCALE[mode] * layers * steps * hidden * itemsize
+    if mode == "lstm":
+        size = size // 2 + layers * steps * hidden * itemsize
+    if dropout > 0:
+        size += (layers - 1) * steps * hidden * (itemsize + 1)
+    return directions * size
 
 
 @dataclass(frozen=True)

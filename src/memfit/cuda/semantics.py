@@ -94,8 +94,13 @@ def _rnn_kernel(mode: rnn.Mode) -> Any:
     op = getattr(torch.ops.aten, mode).input
 
     def kernel(data: torch.Tensor, hx: Any, params: list[torch.Tensor], *rest: Any) -> Any:
-        # cudnn_is_acceptable: fp32, fp16 or fp64 input (and cuDNN enabled)
-        acceptable = data.dtype in (torch.float32, torch.float16, torch.float64) and torch.backends.cudnn.enabled
+        # cudnn_is_acceptable (aten/src/ATen/native/TensorProperties.cpp): cuDNN enabled, an
+        # fp64, fp32 or fp16 tensor, not empty; anything else runs the native kernels on CUDA too
+        acceptable = (
+            torch.backends.cudnn.enabled
+            and data.dtype in (torch.float32, torch.float16, torch.float64)
+            and data.numel() > 0
+        )
         if active_target() is None or not acceptable:
             return op.decompose(data, hx, params, *rest)
         states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
