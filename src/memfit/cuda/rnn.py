@@ -29,14 +29,13 @@ from typing import Any, Literal
 import torch
 
 from memfit.cuda.counting import fill, not_counted
+from memfit.cuda.cudnn import RNNMode, rnn_reserve_bytes
 
-__all__ = ["Mode", "cudnn_rnn", "reserve_bytes", "RESERVE_SCALE"]
+__all__ = ["Mode", "cudnn_rnn", "reserve_bytes"]
 
 Mode = Literal["lstm", "gru", "rnn_tanh", "rnn_relu"]
 
-#: hidden-sized tensors per step and layer that MIOpen's reserve space scales by
-#: (ROCm/MIOpen src/rnn.cpp, ``RNNDescriptor`` constructor: ``workspaceScale``)
-RESERVE_SCALE: dict[str, int] = {"rnn_tanh": 1, "rnn_relu": 1, "lstm": 6, "gru": 4}
+_CUDNN_MODES: dict[str, RNNMode] = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
 
 
 def reserve_bytes(
@@ -49,28 +48,24 @@ def reserve_bytes(
     itemsize: int,
     dropout: float = 0.0,
 ) -> int:
-    """The reserve space a training ``_cudnn_rnn`` call keeps for backward.
+    """The reserve space a training ``_cudnn_rnn`` call keeps: :func:`memfit.cuda.cudnn.rnn_reserve_bytes`.
 
-    cuDNN computes it at run time (``cudnnGetRNNTempSpaceSizes``) and does not publish the
-    formula; PyTorch's meta kernel for ``_cudnn_rnn`` returns none ("TODO: Query
-    cudnnGetRNNTrainingReserveSize"). This is the open formula of AMD's MIOpen, which
-    implements the same API (src/rnn.cpp ``RNNDescriptor::GetReserveSize``):
-    2 × scale × layers × steps × hidden elements, for an LSTM halved plus one hidden state
-    per step and layer, plus every layer but the last's output and its 1-byte dropout mask
-    when dropout is on; twice for two directions. The published-figures work holds the
-    same formula as ``memfit.cuda.cudnn.rnn_reserve_bytes``, with its check against the one
-    published cuDNN pair (pytorch/pytorch#2895); bench/gpu_accuracy.py measures cuDNN's.
+    (cuDNN's own formula is not published; that function holds MIOpen's open one and its
+    sources.)
 
     >>> reserve_bytes("lstm", seq_len=35, batch=20, hidden=256, layers=2, directions=1, itemsize=4)
     10035200
     """
-    steps = seq_len * batch
-    size = 2 * RESERVE_SCALE[mode] * layers * steps * hidden * itemsize
-    if mode == "lstm":
-        size = size // 2 + layers * steps * hidden * itemsize
-    if dropout > 0:
-        size += (layers - 1) * steps * hidden * (itemsize + 1)
-    return directions * size
+    return rnn_reserve_bytes(
+        _CUDNN_MODES[mode],
+        hidden_size=hidden,
+        num_layers=layers,
+        seq_len=seq_len,
+        batch=batch,
+        dtype_bytes=itemsize,
+        bidirectional=directions == 2,
+        dropout=dropout,
+    )
 
 
 @dataclass(frozen=True)

@@ -413,6 +413,7 @@ _HF_ENTRIES: dict[str, _HFEntry] = {
     ),
 }
 
+
 class LSTMLanguageModel(nn.Module):
     """PyTorch's word_language_model example (examples/word_language_model/model.py, LSTM):
     embedding, dropout, stacked LSTM (dropout between layers), dropout, linear decoder."""
@@ -450,7 +451,12 @@ def _lstm_lm(
     )
 
 
-_TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {"mlp": _mlp, "convnet": _convnet, "gpt": _gpt, "lstm-lm": _lstm_lm}
+_TORCH_ENTRIES: dict[str, Callable[..., Workload]] = {
+    "mlp": _mlp,
+    "convnet": _convnet,
+    "gpt": _gpt,
+    "lstm-lm": _lstm_lm,
+}
 
 #: every zoo name, in the order of the table above
 ENTRIES: tuple[str, ...] = tuple(_TORCH_ENTRIES) + tuple(_HF_ENTRIES)
