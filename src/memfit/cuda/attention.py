@@ -206,7 +206,7 @@ class _FusedAttention(torch.autograd.Function):
         del transient  # freed when the kernel returns
         ctx.call, ctx.rng_state = call, rng_state
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(query, key, value, bias if bias is not None else None, out, *kept)
+        ctx.save_for_backward(query, key, value, bias, out, *kept)
         return out
 
     @staticmethod
