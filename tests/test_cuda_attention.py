@@ -231,3 +231,16 @@ def test_the_cpu_device_keeps_the_cpus_semantics():
         held = cpu.memory_allocated() - 3 * blocks(1 * 2 * 64 * 16 * 4)
     assert held > 1 * 2 * 64 * 64 * 4  # the CPU's math path keeps (B, H, L, S) matrices
     assert out.shape == q.shape
+
+
+def test_fake_tensors_skip_the_arithmetic_but_not_the_shape_checks():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), cuda_semantics(A100):
+        # as a transformer makes it: (B, L, H, D) heads split from a projection, then transposed
+        q = torch.empty(2, 64, 4, 32, dtype=torch.bfloat16, requires_grad=True).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert out.shape == q.shape and out.stride() == q.stride()  # flash: empty_like(q.transpose(1, 2))
+        wrong = torch.empty(2, 4, 64, 16, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="do not make an attention"):
+            F.scaled_dot_product_attention(q, wrong, wrong)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.cuda.counting import fill, not_counted
+from memfit.cuda.counting import fill, has_values, not_counted
 from memfit.cuda.sdpa_choice import Backend, choose_backend
 from memfit.cuda.target import CudaTarget
 
@@ -192,15 +192,22 @@ class _FusedAttention(torch.autograd.Function):
         bias: torch.Tensor | None,
         call: _Call,
     ) -> torch.Tensor:
-        with not_counted():
-            rng_state = torch.get_rng_state() if call.dropout_p > 0.0 else None
-            keep = _keep_for(query, key, call) if call.dropout_p > 0.0 else None
-            values = attention_values(
-                query, key, value, bias, is_causal=call.is_causal, scale=call.scale,
-                enable_gqa=call.enable_gqa, keep=keep, dropout_p=call.dropout_p,
-            )  # fmt: skip
-            del keep
-        out = fill(_output(call.backend, query, value), values)
+        rng_state = None
+        values = None
+        if has_values(query):
+            with not_counted():
+                rng_state = torch.get_rng_state() if call.dropout_p > 0.0 else None
+                keep = _keep_for(query, key, call) if call.dropout_p > 0.0 else None
+                values = attention_values(
+                    query, key, value, bias, is_causal=call.is_causal, scale=call.scale,
+                    enable_gqa=call.enable_gqa, keep=keep, dropout_p=call.dropout_p,
+                )  # fmt: skip
+                del keep
+        else:
+            _check_shapes(query, key, value, bias, call.enable_gqa)  # what the computation would refuse
+        out = _output(call.backend, query, value)
+        if values is not None:
+            fill(out, values)
         del values
         kept, transient = _forward_extras(call, query, value)
         del transient  # freed when the kernel returns
@@ -238,12 +245,14 @@ class _FusedAttention(torch.autograd.Function):
             temps.append(
                 torch.empty(query.size(0), query.size(1), query.size(2), dtype=torch.float32, device=query.device)
             )
-        with not_counted():
-            computed = _recompute_gradients(ctx, query, key, value, bias, grad_out)
-        for target, value_ in zip([*grads, grad_bias], computed, strict=True):
-            if target is not None and value_ is not None:
-                fill(target, value_)
-        del temps, computed
+        if has_values(grad_out):
+            with not_counted():
+                computed = _recompute_gradients(ctx, query, key, value, bias, grad_out)
+            for target, value_ in zip([*grads, grad_bias], computed, strict=True):
+                if target is not None and value_ is not None:
+                    fill(target, value_)
+            del computed
+        del temps
         return (
             grads[0] if needs[0] else None,
             grads[1] if needs[1] else None,
@@ -251,6 +260,23 @@ class _FusedAttention(torch.autograd.Function):
             grad_bias,
             None,
         )
+
+
+def _check_shapes(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None, enable_gqa: bool
+) -> None:
+    """Refuse, as the computation would, shapes that do not make an attention (fake tensors: no computation)."""
+    q_heads, k_heads = query.size(-3), key.size(-3)
+    heads_ok = q_heads == k_heads or (enable_gqa and k_heads and q_heads % k_heads == 0)
+    if query.size(-1) != key.size(-1) or key.size(-2) != value.size(-2) or key.size(-3) != value.size(-3):
+        raise RuntimeError(
+            f"scaled_dot_product_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and "
+            f"value {tuple(value.shape)} do not make an attention"
+        )
+    if not heads_ok:
+        raise RuntimeError(f"scaled_dot_product_attention: {q_heads} query heads, {k_heads} key/value heads")
+    if bias is not None:
+        torch.broadcast_shapes(bias.shape, (*query.shape[:-1], key.size(-2)))
 
 
 def _keep_for(

@@ -25,8 +25,9 @@ import threading
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["counting", "not_counted", "counted_empty", "fill"]
+__all__ = ["counting", "not_counted", "counted_empty", "fill", "has_values"]
 
 _state = threading.local()
 
@@ -66,6 +67,15 @@ def counted_empty(
     if order is None:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     return torch.empty_permuted(tuple(shape), tuple(order), dtype=dtype, device=device)
+
+
+def has_values(tensor: torch.Tensor) -> bool:
+    """False for the estimator's fake tensors: a backward recompute there would only cost time.
+
+    (A forward still runs its CPU computation on fake tensors: it checks the shapes as
+    the real run does.)
+    """
+    return not isinstance(tensor, FakeTensor)
 
 
 def fill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from memfit.cuda.counting import fill, not_counted
+from memfit.cuda.counting import fill, has_values, not_counted
 from memfit.cuda.cudnn import RNNMode, rnn_reserve_bytes
 
 __all__ = ["Mode", "cudnn_rnn", "reserve_bytes"]
@@ -150,12 +150,14 @@ class _CudnnRnn(torch.autograd.Function):
         for p in params:
             grad_params.append(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
-        with not_counted():
-            computed = _recompute(config, ctx.rng_state, data, hx, params, grads)
-        for target, value in zip([grad_data, *grad_hx, *grad_params], computed, strict=True):
-            if value is not None:
-                fill(target, value)
-        del temps, computed
+        if has_values(data):
+            with not_counted():
+                computed = _recompute(config, ctx.rng_state, data, hx, params, grads)
+            for target, value in zip([grad_data, *grad_hx, *grad_params], computed, strict=True):
+                if value is not None:
+                    fill(target, value)
+            del computed
+        del temps
         needs = ctx.needs_input_grad
         results = [grad_data, *grad_hx, *grad_params]
         return (None, None, *(g if needs[2 + i] else None for i, g in enumerate(results)))
