@@ -241,6 +241,6 @@ def test_fake_tensors_skip_the_arithmetic_but_not_the_shape_checks():
         q = torch.empty(2, 64, 4, 32, dtype=torch.bfloat16, requires_grad=True).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
         assert out.shape == q.shape and out.stride() == q.stride()  # flash: empty_like(q.transpose(1, 2))
-        wrong = torch.empty(2, 4, 64, 16, dtype=torch.bfloat16)
+        shorter = torch.empty(2, 4, 32, 32, dtype=torch.bfloat16)  # values for 32 keys, 64 keys given
         with pytest.raises(RuntimeError, match="do not make an attention"):
-            F.scaled_dot_product_attention(q, wrong, wrong)
+            F.scaled_dot_product_attention(q, q, shorter)
