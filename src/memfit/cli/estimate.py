@@ -39,7 +39,10 @@ if TYPE_CHECKING:
     help="Also find the largest batch that fits (default: only when --batch-size is not given).",
 )
 @click.option(
-    "--gpu", default=None, metavar="NAME", help='A GPU model from the table, such as "RTX 3090" or a100-80gb.'
+    "--gpu",
+    default=None,
+    metavar="NAME",
+    help='A GPU model from the table, as torch or nvidia-smi names it ("NVIDIA A100-SXM4-80GB") or short ("RTX 3090").',
 )
 @click.option("--memory", default=None, metavar="SIZE", help="A GPU whose PyTorch allocator may reserve SIZE.")
 @click.option(
