@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import (
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
 from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
+from memfit.estimator.timing import OpCounter, OpTrace
 from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
@@ -77,6 +78,8 @@ class FakeRun:
     peak_allocated: int
     peak_reserved: int
     fits: bool = True
+    #: the operations of the last step, for the predicted step time (``count_ops=True``)
+    ops: OpTrace | None = None
 
 
 def unsupported_message(op: str, module: str, error: BaseException) -> str:
@@ -115,9 +118,12 @@ class _FakeStepTracker(StorageTracker):
     and the current module are both known.
     """
 
+    #: counts each operation's FLOPs and bytes for the predicted step time (None: off)
+    counter: OpCounter | None = None
+
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         except Exception as error:
             if not is_fake_limit(error):
                 raise
@@ -125,6 +131,10 @@ class _FakeStepTracker(StorageTracker):
             if func is torch.ops.aten._local_scalar_dense.default and labels.phase in _SCALAR_READ_PHASES:
                 return _zero_like_scalar(args[0])
             message = unsupported_message(str(func), labels.module, error)
+        else:
+            if self.counter is not None:
+                self.counter.record(func, args, kwargs, out)
+            return out
         raise UnsupportedOperation(message)  # outside the except block: no chained traceback
 
 
@@ -137,9 +147,13 @@ def _zero_like_scalar(tensor: torch.Tensor) -> float | int | bool:
 class _FakeDevice(SimDevice):
     """A simulated GPU (optionally with a budget) recording every event, on fake tensors."""
 
-    def __init__(self, budget: int | None = None, cuda: CudaTarget | None = None) -> None:
+    def __init__(
+        self, budget: int | None = None, cuda: CudaTarget | None = None, counter: OpCounter | None = None
+    ) -> None:
         super().__init__(budget, "fake", record=True, cuda=cuda)
-        self.tracker = _FakeStepTracker(self)
+        tracker = _FakeStepTracker(self)
+        tracker.counter = counter
+        self.tracker = tracker
 
     def describe(self) -> str:
         return "fake tensors (CUDA allocator model, no limit)"
@@ -222,17 +236,20 @@ def run_fake_steps(
     foreach: bool = False,
     budget: int | None = None,
     cuda: CudaTarget | None = None,
+    count_ops: bool = False,
 ) -> FakeRun:
     """Run ``steps`` optimizer steps of ``workload`` on fake tensors; return the events.
 
     ``budget`` caps modeled reserved memory as the simulated GPU does (an OOM there is
     ``fits=False``, not an error). ``foreach=True`` gives optimizers CUDA's default
     implementation (see :func:`_with_foreach`). ``cuda`` is the CUDA GPU whose semantics
-    the steps follow (:mod:`memfit.cuda.semantics`); None keeps the CPU's. Raises
-    :class:`UnsupportedOperation` for what fake tensors cannot run; any other error
-    propagates unchanged.
+    the steps follow (:mod:`memfit.cuda.semantics`); None keeps the CPU's. ``count_ops=True``
+    records the last step's operations (:class:`~memfit.estimator.timing.OpCounter`) for the
+    predicted step time. Raises :class:`UnsupportedOperation` for what fake tensors cannot
+    run; any other error propagates unchanged.
     """
-    device = _FakeDevice(budget, cuda)
+    counter = OpCounter(step=steps - 1, micro_batches=settings.accumulation_steps) if count_ops else None
+    device = _FakeDevice(budget, cuda, counter)
     # allow_non_fake_inputs: a batch or a constant made outside fake mode is converted
     # (and its storage counted), as it would be copied to the GPU.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -254,4 +271,5 @@ def run_fake_steps(
         peak_allocated=stats["allocated_bytes.all.peak"],
         peak_reserved=stats["reserved_bytes.all.peak"],
         fits=fits,
+        ops=counter.trace() if counter is not None and fits else None,
     )

@@ -1,0 +1,87 @@
+"""The predicted speed of a workload's training step on a GPU of the table, without the GPU.
+
+One fake step (:mod:`memfit.estimator.fake`, shapes only) records the operations of a
+micro-batch and of the optimizer; :func:`memfit.estimator.timing.predict` times them on the
+card. Accumulation reuses the one recorded micro-batch, so a candidate of plan with 64
+micro-batches per step costs one fake micro-batch, not 64.
+
+>>> import memfit
+>>> time = step_time("mlp:layers=1,width=16,features=16", memfit.Settings(micro_batch_size=8), "RTX 4090")
+>>> time.gpu, time.samples_per_second > 0
+('RTX 4090', True)
+"""
+
+from __future__ import annotations
+
+from memfit.errors import MemfitError
+from memfit.estimator.fake import run_fake_steps
+from memfit.estimator.timing import OpTrace, StepTime, predict
+from memfit.memory.gpus import GPU, lookup
+from memfit.run.settings import Settings
+from memfit.workload import Workload, load_workload
+
+__all__ = ["step_time", "record_step", "DEFAULT_SPEED_GPU", "speed_gpu"]
+
+#: the card whose speed ranks plan's candidates on a simulated GPU that names none
+#: (``sim:8GiB``): the A100 80GB SXM, the card most published training figures use.
+DEFAULT_SPEED_GPU = "A100 80GB SXM"
+
+
+def speed_gpu(gpu: str | GPU | None) -> GPU:
+    """The card ``gpu`` names, or :data:`DEFAULT_SPEED_GPU`."""
+    if isinstance(gpu, GPU):
+        return gpu
+    return lookup(gpu or DEFAULT_SPEED_GPU)
+
+
+def record_step(workload: Workload, settings: Settings, *, foreach: bool = True) -> OpTrace:
+    """The operations of one micro-batch and one optimizer step of ``workload``.
+
+    ``foreach=True`` gives optimizers CUDA's default implementation (what a GPU runs).
+    """
+    run = run_fake_steps(workload, settings.replace(accumulation_steps=1), foreach=foreach, count_ops=True)
+    assert run.ops is not None  # no budget: the run always completes
+    return run.ops
+
+
+def step_time(
+    workload: Workload | str,
+    settings: Settings,
+    gpu: str | GPU | None = None,
+    *,
+    foreach: bool = True,
+    tf32_matmul: bool | None = None,
+    tf32_conv: bool | None = None,
+    trace: OpTrace | None = None,
+) -> StepTime:
+    """Predicted seconds per step and samples/s of ``workload`` at ``settings`` on ``gpu``.
+
+    Args:
+        workload: a :class:`memfit.Workload` or a reference.
+        settings: precision, checkpointing, micro-batch and accumulation (the micro-batch
+            is required).
+        gpu: a card of the table (default: :data:`DEFAULT_SPEED_GPU`).
+        foreach: optimizers take CUDA's default (foreach) implementation.
+        tf32_matmul: fp32 matmuls on tf32 (default: this process's PyTorch setting).
+        tf32_conv: fp32 convolutions on tf32 (default: this process's PyTorch setting).
+        trace: a step already recorded at these settings' micro-batch (skips the fake step).
+
+    Raises:
+        MemfitError: no micro-batch, or a precision the card does not have.
+    """
+    if settings.micro_batch_size is None:
+        raise MemfitError("a predicted step time needs a micro-batch size")
+    card = speed_gpu(gpu)
+    if settings.precision == "bf16" and not card.bf16:
+        raise MemfitError(f"{card.name} does not support bf16: use fp16 or fp32")
+    if trace is None:
+        trace = record_step(load_workload(workload), settings, foreach=foreach)
+    assert settings.batch_size is not None
+    return predict(
+        trace,
+        card,
+        settings.batch_size,
+        accumulation=settings.accumulation_steps,
+        tf32_matmul=tf32_matmul,
+        tf32_conv=tf32_conv,
+    )
