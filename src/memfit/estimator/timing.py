@@ -35,7 +35,7 @@ Every constant is stated once, with its source, and none was fitted to a benchma
 >>> counter.add(MATMUL, 2 * 4096**3, 3 * 4096 * 4096 * 2, HALF, phase="forward")
 >>> time = predict(counter.trace(), lookup("A100 80GB SXM"), samples_per_step=1)
 >>> round(time.seconds_per_step * 1e3, 3)  # 137 GFLOP at 0.826 x 312 TFLOP/s, plus launch
-0.545
+0.544
 """
 
 from __future__ import annotations
