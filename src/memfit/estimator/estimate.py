@@ -52,6 +52,8 @@ from memfit.estimator import sharding
 from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
 from memfit.estimator.fake import run_fake_steps
 from memfit.estimator.sharding import Shard
+from memfit.estimator.timing import OpTrace, StepTime
+from memfit.estimator.speed import speed_gpu, step_time
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
@@ -80,6 +82,8 @@ class Target:
     #: the CUDA GPU whose kernels, autocast lists and dropout the fake steps follow
     #: (memfit.cuda.semantics); None keeps the CPU's (the plain ``cpu`` device)
     semantics: CudaTarget | None = field(default_factory=CudaTarget)
+    #: the card whose speed the predicted step time is for (None: no prediction)
+    speed: GPU | None = None
 
     @property
     def fixed_total(self) -> int:
@@ -125,7 +129,9 @@ def resolve_target(
         else:
             fixed = {"fixed costs": fixed_override}
         semantics = CudaTarget(card.compute_capability, cuda, card.name)
-        return Target(card.name, card.memory, fixed, cuda=True, bf16=card.bf16, cuda_version=cuda, semantics=semantics)
+        return Target(
+            card.name, card.memory, fixed, cuda=True, bf16=card.bf16, cuda_version=cuda, semantics=semantics, speed=card
+        )
     if memory is not None:
         size = parse_size(memory)
         fixed = {"fixed costs": fixed_override} if fixed_override else {}
@@ -134,7 +140,10 @@ def resolve_target(
         dev = make_device(device)
         if isinstance(dev, SimDevice):
             # the simulated GPU itself: its own semantics, so estimate and measure agree
-            return Target(dev.spec, dev.capacity, {}, cuda=False, semantics=dev.cuda)
+            card = speed_gpu(getattr(dev, "gpu", None))
+            return Target(
+                dev.spec, dev.capacity, {}, cuda=False, bf16=dev.supports("bf16"), semantics=dev.cuda, speed=card
+            )
         fixed = {"fixed costs": fixed_override} if fixed_override else {}
         major, minor = torch.cuda.get_device_capability(dev.torch_device)
         semantics = CudaTarget((major, minor), cuda, dev.describe())
@@ -176,6 +185,12 @@ class Estimate(HtmlRepr):
     #: the CUDA semantics the fake steps followed (GPU, CUDA and torch versions), or None
     #: for the CPU's (the plain ``cpu`` device)
     cuda: str | None = None
+    #: the predicted step on ``speed_gpu`` (None without a GPU model, or over several ranks)
+    predicted_seconds_per_step: float | None = None
+    predicted_samples_per_second: float | None = None
+    speed_gpu: str | None = None
+    #: where the predicted time goes (seconds: compute, memory, host), and the tf32 settings
+    predicted_time: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -229,7 +244,9 @@ class _Prediction:
         if budget is not None and budget <= 0:
             raise MemfitError(f"the fixed costs ({format_size(target.fixed_total)}) leave no memory on {target.name}")
         self._workload, self._settings, self._target = workload, settings, target
-        self._run = run_fake_steps(workload, settings, foreach=target.cuda, budget=budget, cuda=target.semantics)
+        self._run = run_fake_steps(
+            workload, settings, foreach=target.cuda, budget=budget, cuda=target.semantics, count_ops=True
+        )
         self._budget = budget
         self.fits = self._run.fits
         #: the allocator model's peak reserved bytes of the budgeted run (what the search needs)
@@ -237,12 +254,24 @@ class _Prediction:
         self._peak: Peak | None = None
 
     @property
+    def ops(self) -> OpTrace | None:
+        """The operations of the last step (for the predicted step time)."""
+        if self._run.ops is None:
+            self.peak  # noqa: B018  (a run that did not fit is re-run without a limit)
+        return self._run.ops
+
+    @property
     def peak(self) -> Peak:
         if self._peak is None:
             if not self._run.fits:
                 # What a batch that does not fit would need: the same steps without a limit.
                 self._run = run_fake_steps(
-                    self._workload, self._settings, foreach=self._target.cuda, budget=None, cuda=self._target.semantics
+                    self._workload,
+                    self._settings,
+                    foreach=self._target.cuda,
+                    budget=None,
+                    cuda=self._target.semantics,
+                    count_ops=True,
                 )
                 self._budget = None
             self._peak = analyze(self._run.events, budget=self._budget)
@@ -335,6 +364,7 @@ def estimate(
     # Each fixed cost by its name (cuda context, cublas workspace, cudnn workspace), or
     # one line when there is none to name (a simulated GPU) or the user gave the total.
     breakdown.update(target.fixed or {"fixed costs": 0})
+    speed = _predicted_time(wl, settings.replace(micro_batch_size=chosen), target, prediction, world_size)
     return Estimate(
         workload=wl.name,
         batch_size=chosen,
@@ -353,4 +383,27 @@ def estimate(
         shard=shard,
         cuda_version=None if target.cuda_version is None else "{}.{}".format(*target.cuda_version),
         cuda=target.semantics.describe() if target.semantics is not None else None,
+        predicted_seconds_per_step=speed.seconds_per_step if speed else None,
+        predicted_samples_per_second=speed.samples_per_second if speed else None,
+        speed_gpu=speed.gpu if speed else None,
+        predicted_time=speed.to_dict() if speed else None,
     )
+
+
+def _predicted_time(
+    workload: Workload, settings: Settings, target: Target, prediction: _Prediction, world_size: int
+) -> StepTime | None:
+    """The predicted step on the target's card, from the operations of the fake steps.
+
+    None without a card (``memory=``), over several ranks (communication is not modelled),
+    or for bf16 on a card without it. The fake steps of a simulated GPU run the CPU's
+    optimizer loop (the simulated GPU's own accounting); the time is for the card, so
+    its optimizers are recorded again in CUDA's foreach form.
+    """
+    card = target.speed
+    if card is None or world_size > 1 or (settings.precision == "bf16" and not card.bf16):
+        return None
+    trace = prediction.ops if target.cuda else None
+    if trace is not None:
+        return step_time(workload, settings, card, trace=trace)
+    return step_time(workload, settings, card, foreach=True)

@@ -30,6 +30,7 @@ from memfit.cuda.target import CudaTarget
 from memfit.distributed import launched_by_torchrun
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
+from memfit.memory.gpus import GPU, fixed_costs, lookup
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.units import format_size, parse_size
 
@@ -160,6 +161,8 @@ class SimDevice(Device):
 
     simulated = True
     autocast_device_type = "cpu"
+    #: the card it stands for (``sim:RTX 3090``): its precisions, and the speed plan ranks by
+    gpu: GPU | None = None
 
     def __init__(
         self,
@@ -237,12 +240,15 @@ class SimDevice(Device):
         self.allocator.empty_cache()
 
     def supports(self, precision: str) -> bool:
+        if precision == "bf16" and self.gpu is not None:
+            return self.gpu.bf16
         return True  # the CPU autocasts to bf16 and fp16
 
     def describe(self) -> str:
         if self.capacity is None:
             return "cpu (no limit; memory counted with the CUDA allocator model)"
-        return f"{self.spec} (simulated GPU, {format_size(self.capacity)})"
+        card = self.gpu.name if self.gpu is not None else "GPU"
+        return f"{self.spec} (simulated {card}, {format_size(self.capacity)})"
 
 
 class CudaDevice(Device):
@@ -311,11 +317,12 @@ _SPEC_RE = re.compile(r"^(?P<kind>cuda|cpu|sim|auto)(?::(?P<arg>.+))?$")
 
 
 def device(spec: str | Device = "auto", *, memory: int | str | None = None) -> Device:
-    """Make a device from a spec: ``cuda``, ``cuda:1``, ``cpu``, ``sim:8GiB`` or ``auto``.
+    """Make a device from a spec: ``cuda``, ``cuda:1``, ``cpu``, ``sim:8GiB``, ``sim:RTX 3090`` or ``auto``.
 
     Args:
         spec: ``cuda[:N]`` (a real GPU), ``cpu``, ``sim:SIZE`` (a GPU simulated on the
-            CPU), or ``auto`` (the first GPU when there is one, else ``sim:8GiB``); a device
+            CPU), ``sim:GPU`` (a card of :mod:`memfit.memory.gpus` simulated: its memory
+            less the fixed costs, its precisions, its speed for plan), or ``auto`` (the first GPU when there is one, else ``sim:8GiB``); a device
             is returned as it is.
         memory: caps a real GPU (emulating a smaller card) or sizes a ``sim`` device.
     """
@@ -342,11 +349,27 @@ def device(spec: str | Device = "auto", *, memory: int | str | None = None) -> D
         return SimDevice(cap, "cpu") if cap else SimDevice(None)
     if arg is None and cap is None:
         raise DeviceError(f"device {spec!r} needs a size, such as sim:8GiB")
+    if arg is not None and arg[:1].isalpha():
+        return _sim_card(arg, spec, cap)
     try:
         size = cap if cap is not None else parse_size(arg or "")
     except MemfitError as error:
         raise DeviceError(f"unknown device {spec!r}: {error}") from None
     return SimDevice(size, f"sim:{arg}" if arg else None)
+
+
+def _sim_card(name: str, spec: str, capacity: int | None) -> SimDevice:
+    """``sim:RTX 3090``: the card's usable memory (less the CUDA context and cuBLAS's
+    workspace, which the allocator never sees; or ``capacity``), its precisions, and its
+    speed for plan."""
+    try:
+        card = lookup(name)
+    except MemfitError as error:
+        raise DeviceError(f"unknown device {spec!r}: give a size (sim:8GiB) or a GPU of the table: {error}") from None
+    usable = card.memory - sum(fixed_costs(card).values())
+    sim = SimDevice(capacity if capacity is not None else usable, f"sim:{card.name}")
+    sim.gpu = card
+    return sim
 
 
 def rank_device(spec: str, rank: int | None = None, local_rank: int | None = None) -> str:
