@@ -15,11 +15,18 @@ TINY = "mlp:layers=1,width=32,features=32"
 
 
 def test_unknown_gpu_is_one_line_exit_2_listing_close_names(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["estimate", TINY, "--gpu", "rtx3080"]) == 2
+    assert main(["estimate", TINY, "--gpu", "rtx3090x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("memfit: error: unknown GPU 'rtx3080': close names: ")
+    assert err.startswith("memfit: error: unknown GPU 'rtx3090x': close names: ")
     assert "RTX 3090" in err
+
+
+def test_a_gpu_name_that_fits_two_cards_is_one_line_exit_2_naming_both(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", TINY, "--gpu", "NVIDIA GeForce RTX 3080"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "fits several GPUs: RTX 3080 10GB, RTX 3080 12GB" in err
 
 
 def test_two_targets_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

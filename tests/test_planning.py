@@ -90,14 +90,21 @@ class FormulaDevice:
     def memory(self, s: Settings) -> int:
         return self.base + int(self.per_sample * s.micro_batch_size * self.FACTOR[(s.precision, s.checkpointing)])
 
+    def seconds(self, s: Settings) -> float:
+        speed = self.SPEED[s.precision] * (0.75 if s.checkpointing == "blocks" else 1.0)
+        return s.micro_batch_size / (speed * 100 * s.micro_batch_size / (s.micro_batch_size + 4))
+
     def trial(self, wl, s: Settings, device) -> Measurement:
         self.tried.append((s.micro_batch_size, s.precision, s.checkpointing))
         peak = self.memory(s)
         if peak > self.capacity:
             return Measurement(s.micro_batch_size, False, self.capacity, self.capacity, None)
-        speed = self.SPEED[s.precision] * (0.75 if s.checkpointing == "blocks" else 1.0)
-        seconds = s.micro_batch_size / (speed * 100 * s.micro_batch_size / (s.micro_batch_size + 4))
-        return Measurement(s.micro_batch_size, True, peak, peak, seconds)
+        return Measurement(s.micro_batch_size, True, peak, peak, self.seconds(s))
+
+    def predict_speed(self, wl, s: Settings, card) -> tuple[float, float]:
+        """The simulated GPU's candidates rank by predicted speed: the same formula here."""
+        step = s.accumulation_steps * self.seconds(s)
+        return step, s.batch_size / step
 
     def predictor(self, exact: bool = True):
         self.predicted: list[tuple[str, str]] = []
@@ -112,7 +119,15 @@ class FormulaDevice:
 
 
 def run_plan(fake: FormulaDevice, target: int, exact: bool = True, **kwargs):
-    return plan(MLP, target, memfit.device("sim:1GiB"), predictor=fake.predictor(exact), run_trial=fake.trial, **kwargs)
+    return plan(
+        MLP,
+        target,
+        memfit.device("sim:1GiB"),
+        predictor=fake.predictor(exact),
+        run_trial=fake.trial,
+        predict_speed=fake.predict_speed,
+        **kwargs,
+    )
 
 
 def test_trials_run_in_order_and_dominated_candidates_are_skipped():

@@ -114,6 +114,9 @@ def command(
     if result.top_modules:
         console.print(modules_table(result))
     console.print(summary_line(result))
+    speed = speed_line(result)
+    if speed:
+        console.print(speed)
 
 
 def locked_cuda_version(path: Path = Path("memfit.lock")) -> str | None:
@@ -170,4 +173,27 @@ def summary_line(result: Estimate) -> str:
         line += f" As CUDA runs it: {result.cuda}."
     if result.max_batch_size is not None:
         line += f" Largest batch that fits: {result.max_batch_size}."
+    return line
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+def speed_line(result: Estimate) -> str | None:
+    """The predicted step time on the target's card, with what it assumes; None without one."""
+    if result.predicted_seconds_per_step is None or result.predicted_time is None:
+        return None
+    time = result.predicted_time
+    line = (
+        f"Predicted on {result.speed_gpu}: {_seconds(result.predicted_seconds_per_step)} per step, "
+        f"[bold]{result.predicted_samples_per_second:,.4g} samples/s[/bold] (eager PyTorch; the GPU computes "
+        f"{_seconds(time['compute_seconds'])} and moves memory {_seconds(time['memory_seconds'])}, "
+        f"the host launches for {_seconds(time['host_seconds'])})."
+    )
+    if result.target.startswith("sim:") and result.target != f"sim:{result.speed_gpu}":
+        line += (
+            f" {result.target} names no card: the speed is the {result.speed_gpu}'s; "
+            'name one with --device "sim:RTX 4090".'
+        )
     return line

@@ -63,6 +63,13 @@ if TYPE_CHECKING:
     help="Where to write report.html and its figures.",
 )
 @click.option("--no-doctor", is_flag=True, help="Skip the environment checks.")
+@click.option(
+    "--gpu",
+    "speed_gpu",
+    default=None,
+    metavar="NAME",
+    help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM).",
+)
 @json_option
 def command(
     workload: str,
@@ -77,6 +84,7 @@ def command(
     lock_path: str,
     report_dir: str,
     no_doctor: bool,
+    speed_gpu: str | None,
     as_json: bool,
 ) -> None:
     """Find what fits and the fastest settings for WORKLOAD; write memfit.lock and a report."""
@@ -95,6 +103,7 @@ def command(
         report_dir=report_dir,
         run_doctor=not no_doctor,
         say=say,
+        speed_gpu=speed_gpu,
     )
     if as_json:
         print_json(result.to_dict())

@@ -46,7 +46,7 @@ def device_options(function: F) -> F:
         "device_spec",
         default="auto",
         show_default=True,
-        help="cuda, cuda:N, cpu, sim:SIZE (a simulated GPU, such as sim:8GiB), or auto.",
+        help='cuda, cuda:N, cpu, sim:SIZE or sim:GPU (a simulated GPU: sim:8GiB, "sim:RTX 4090"), or auto.',
     )(function)
 
 

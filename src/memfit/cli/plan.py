@@ -51,6 +51,13 @@ if TYPE_CHECKING:
     help="The batch your learning rate was tuned for (for scaling advice).",
 )
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of memory against speed.")
+@click.option(
+    "--gpu",
+    "speed_gpu",
+    default=None,
+    metavar="NAME",
+    help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM).",
+)
 @json_option
 def command(
     workload: str,
@@ -63,6 +70,7 @@ def command(
     headroom: float,
     reference_batch: int | None,
     plot: str | None,
+    speed_gpu: str | None,
     as_json: bool,
 ) -> None:
     """Choose micro-batch, accumulation, precision and checkpointing that reach TARGET fastest."""
@@ -84,6 +92,7 @@ def command(
         reference_batch_size=reference_batch,
         headroom=headroom,
         progress=None if as_json else progress,
+        speed_gpu=speed_gpu,
     )
     if plot:
         write_plot(result, plot)
@@ -110,7 +119,12 @@ def write_plot(result: Plan, path: str) -> None:
 def print_plan(result: Plan) -> None:
     """The candidates table, the recommendation and the advice."""
     table = Table(title=f"memfit plan · {result.workload} → batch {result.target_batch_size} on {result.device}")
-    for column in ("micro", "accum", "precision", "checkpointing", "status", "peak reserved", "samples/s", "Pareto"):
+    predicted = result.ranked_by == "predicted"
+    speed = f"samples/s on {result.speed_gpu}" if predicted else "samples/s"
+    columns = ["micro", "accum", "precision", "checkpointing", "status", "peak reserved", speed]
+    if predicted:
+        columns.append("measured (CPU)" if result.device.startswith(("sim", "cpu")) else "measured")
+    for column in (*columns, "Pareto"):
         table.add_column(column, justify="right")
     front = {id(c) for c in result.pareto}
     for c in result.candidates:
@@ -125,12 +139,25 @@ def print_plan(result: Plan) -> None:
             s.checkpointing,
             c.status,
             format_size(m.peak_reserved) if m else "-",
-            f"{c.samples_per_second:.1f}" if c.samples_per_second else "-",
+            *(
+                [_rate(c.predicted_samples_per_second), _rate(c.samples_per_second)]
+                if predicted
+                else [_rate(c.samples_per_second)]
+            ),
             mark,
         )
     console.print(table)
     if result.estimate_error:
         console.print(f"The estimate could not prune candidates ({result.estimate_error}); every one was tried.")
+    if predicted:
+        console.print(
+            f"Ranked by the predicted speed on the {result.speed_gpu} (eager PyTorch; the trials ran on "
+            f"{result.device} for memory)."
+        )
     console.print(f"[bold]Recommended:[/bold] {result.reason}")
     for note in result.advice:
         console.print(f"  • {note}")
+
+
+def _rate(value: float | None) -> str:
+    return f"{value:,.1f}" if value else "-"

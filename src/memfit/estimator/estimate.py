@@ -52,8 +52,8 @@ from memfit.estimator import sharding
 from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
 from memfit.estimator.fake import run_fake_steps
 from memfit.estimator.sharding import Shard
-from memfit.estimator.timing import OpTrace, StepTime
 from memfit.estimator.speed import speed_gpu, step_time
+from memfit.estimator.timing import OpTrace, StepTime
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
@@ -140,7 +140,7 @@ def resolve_target(
         dev = make_device(device)
         if isinstance(dev, SimDevice):
             # the simulated GPU itself: its own semantics, so estimate and measure agree
-            card = speed_gpu(getattr(dev, "gpu", None))
+            card = speed_gpu(dev.gpu)
             return Target(
                 dev.spec, dev.capacity, {}, cuda=False, bf16=dev.supports("bf16"), semantics=dev.cuda, speed=card
             )
@@ -240,12 +240,15 @@ class _Prediction:
     re-run that says what a batch that does not fit would need, are for the batch shown.
     """
 
-    def __init__(self, workload: Workload, settings: Settings, target: Target, budget: int | None) -> None:
+    def __init__(
+        self, workload: Workload, settings: Settings, target: Target, budget: int | None, count_ops: bool = False
+    ) -> None:
         if budget is not None and budget <= 0:
             raise MemfitError(f"the fixed costs ({format_size(target.fixed_total)}) leave no memory on {target.name}")
         self._workload, self._settings, self._target = workload, settings, target
+        self._count_ops = count_ops
         self._run = run_fake_steps(
-            workload, settings, foreach=target.cuda, budget=budget, cuda=target.semantics, count_ops=True
+            workload, settings, foreach=target.cuda, budget=budget, cuda=target.semantics, count_ops=count_ops
         )
         self._budget = budget
         self.fits = self._run.fits
@@ -255,8 +258,8 @@ class _Prediction:
 
     @property
     def ops(self) -> OpTrace | None:
-        """The operations of the last step (for the predicted step time)."""
-        if self._run.ops is None:
+        """The operations of the last step (for the predicted step time), when counted."""
+        if self._count_ops and self._run.ops is None:
             self.peak  # noqa: B018  (a run that did not fit is re-run without a limit)
         return self._run.ops
 
@@ -271,7 +274,7 @@ class _Prediction:
                     foreach=self._target.cuda,
                     budget=None,
                     cuda=self._target.semantics,
-                    count_ops=True,
+                    count_ops=self._count_ops,
                 )
                 self._budget = None
             self._peak = analyze(self._run.events, budget=self._budget)
@@ -293,6 +296,7 @@ def estimate(
     cuda_version: str | tuple[int, ...] | None = None,
     search: bool | None = None,
     search_limit: int | None = None,
+    speed: bool = True,
 ) -> Estimate:
     """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
 
@@ -319,6 +323,8 @@ def estimate(
         search: find ``max_batch_size`` (default: only when ``batch_size`` is not given).
         search_limit: the largest batch worth proving (tried first; when it fits the
             search ends at once).
+        speed: also predict the step time on the target's card (``gpu``, or the
+            simulated GPU's card; see :mod:`memfit.estimator.timing`).
     """
     wl = load_workload(workload)
     settings = settings or Settings()
@@ -337,7 +343,10 @@ def estimate(
         # Sharded: the one-GPU run is unlimited, and the divided total decides.
         if b not in cache:
             budget = None if sharded else target.budget
-            cache[b] = _Prediction(wl, settings.replace(micro_batch_size=b), target, budget)
+            # Counting the operations costs a few per cent of a fake run: only where the
+            # predicted time may be needed (the given batch, or every batch of a search).
+            count = speed and target.speed is not None and target.cuda and batch_size in (None, b)
+            cache[b] = _Prediction(wl, settings.replace(micro_batch_size=b), target, budget, count)
         return cache[b]
 
     def outcome(b: int) -> Outcome:
@@ -364,7 +373,11 @@ def estimate(
     # Each fixed cost by its name (cuda context, cublas workspace, cudnn workspace), or
     # one line when there is none to name (a simulated GPU) or the user gave the total.
     breakdown.update(target.fixed or {"fixed costs": 0})
-    speed = _predicted_time(wl, settings.replace(micro_batch_size=chosen), target, prediction, world_size)
+    step = (
+        _predicted_time(wl, settings.replace(micro_batch_size=chosen), target, prediction, world_size)
+        if speed
+        else None
+    )
     return Estimate(
         workload=wl.name,
         batch_size=chosen,
@@ -383,10 +396,10 @@ def estimate(
         shard=shard,
         cuda_version=None if target.cuda_version is None else "{}.{}".format(*target.cuda_version),
         cuda=target.semantics.describe() if target.semantics is not None else None,
-        predicted_seconds_per_step=speed.seconds_per_step if speed else None,
-        predicted_samples_per_second=speed.samples_per_second if speed else None,
-        speed_gpu=speed.gpu if speed else None,
-        predicted_time=speed.to_dict() if speed else None,
+        predicted_seconds_per_step=step.seconds_per_step if step else None,
+        predicted_samples_per_second=step.samples_per_second if step else None,
+        speed_gpu=step.gpu if step else None,
+        predicted_time=step.to_dict() if step else None,
     )
 
 

@@ -181,13 +181,15 @@ def _walk(value: Any, found: list[torch.Tensor]) -> None:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes a kernel moves for ``tensor``: its elements, at most its storage (a broadcast
-    view reads its storage once)."""
+    """Bytes a kernel moves for ``tensor``: its elements, but a broadcast view (a zero
+    stride) only its storage, which it reads once."""
     size = tensor.numel() * tensor.element_size()
-    try:
-        return min(size, tensor.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return size
+    if 0 in tensor.stride():
+        try:
+            return min(size, tensor.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            return size
+    return size
 
 
 @dataclass

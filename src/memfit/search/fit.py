@@ -120,6 +120,7 @@ def fit(
     report_dir: str | os.PathLike[str] | None = "memfit-report",
     run_doctor: bool = True,
     say: Say | None = None,
+    speed_gpu: str | None = None,
 ) -> FitResult:
     """Doctor, estimate, probe, plan; then write the lock and the report.
 
@@ -138,6 +139,9 @@ def fit(
         report_dir: where to write the HTML report and its figures (None: no report).
         run_doctor: check the environment first.
         say: called with one line as each phase starts (progress for people).
+        speed_gpu: plan ranks by the predicted speed on this card (default: on a
+            simulated GPU its card, else :data:`memfit.estimator.speed.DEFAULT_SPEED_GPU`;
+            on a real GPU the measured speed).
     """
     from memfit.environment import system
     from memfit.estimator.estimate import estimate
@@ -184,6 +188,7 @@ def fit(
         precisions=precisions,
         checkpointing=checkpointing,
         headroom=headroom,
+        speed_gpu=speed_gpu,
     )
     best = chosen.recommended
     if best is None or best.measurement is None:

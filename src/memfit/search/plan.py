@@ -30,6 +30,14 @@ skipped; when every trial fails so, the first error propagates with its tracebac
 that is NaN or infinite refuses the plan (:class:`~memfit.errors.MemfitError`): a broken
 step is not a memory problem. The target is bounded by :data:`MAX_TARGET_BATCH`.
 
+Which speed ranks the candidates: on a real GPU, the measured one. On a simulated GPU the
+trials run on the CPU, whose speed says nothing about the GPU's; there, and whenever a
+card is named (``speed_gpu=``), candidates that fit are ranked by their **predicted** step
+time on the card (:mod:`memfit.estimator.timing`: every operation of one fake step timed
+on the card's published peaks; accumulation and the optimizer step included): the card of
+``sim:RTX 3090``, or the documented default of ``sim:SIZE``
+(:data:`memfit.estimator.speed.DEFAULT_SPEED_GPU`).
+
 >>> [c.micro_batch_size for c in candidates(12, precisions=["fp32"], checkpointing=["none"])]
 [12, 6, 4, 3, 2, 1]
 """
@@ -46,8 +54,9 @@ from torch import nn
 
 from memfit._html import HtmlRepr
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.memory.devices import Device
+from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
+from memfit.memory.gpus import GPU
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.measure import Measurement, measure, non_finite_loss_message
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
@@ -166,6 +175,9 @@ class Candidate:
     predicted_max_micro_batch: int | None = None
     measurement: Measurement | None = None
     samples_per_second: float | None = None
+    #: the predicted step on the plan's card (see the module): what ranks a simulated GPU's candidates
+    predicted_seconds_per_step: float | None = None
+    predicted_samples_per_second: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -180,24 +192,38 @@ class Candidate:
             "peak_allocated": m.peak_allocated if m else None,
             "peak_reserved": m.peak_reserved if m else None,
             "samples_per_second": self.samples_per_second,
+            "predicted_seconds_per_step": self.predicted_seconds_per_step,
+            "predicted_samples_per_second": self.predicted_samples_per_second,
             "predicted_max_micro_batch": self.predicted_max_micro_batch,
         }
 
 
-def pareto_front(measured: Sequence[Candidate]) -> list[Candidate]:
-    """The measured candidates no other beats on both memory (lower) and speed (higher)."""
+def _measured_speed(c: Candidate) -> float | None:
+    return c.samples_per_second
+
+
+def _predicted_speed(c: Candidate) -> float | None:
+    return c.predicted_samples_per_second
+
+
+def pareto_front(
+    measured: Sequence[Candidate], speed: Callable[[Candidate], float | None] = _measured_speed
+) -> list[Candidate]:
+    """The measured candidates no other beats on both memory (lower) and speed (higher).
+
+    ``speed``: the speed that counts (measured by default; the predicted one on a
+    simulated GPU).
+    """
     front = []
     for c in measured:
-        assert c.measurement is not None and c.samples_per_second is not None
+        assert c.measurement is not None and speed(c) is not None
         beaten = any(
             o is not c
             and o.measurement is not None
-            and o.samples_per_second is not None
+            and speed(o) is not None
             and o.measurement.peak_reserved <= c.measurement.peak_reserved
-            and o.samples_per_second >= c.samples_per_second
-            and (
-                o.measurement.peak_reserved < c.measurement.peak_reserved or o.samples_per_second > c.samples_per_second
-            )
+            and (speed(o) or 0.0) >= (speed(c) or 0.0)
+            and (o.measurement.peak_reserved < c.measurement.peak_reserved or (speed(o) or 0.0) > (speed(c) or 0.0))
             for o in measured
         )
         if not beaten:
@@ -256,10 +282,14 @@ class Plan(HtmlRepr):
     headroom: float = 0.0
     #: why the estimator could not prune candidates (None when it ran, or was not asked)
     estimate_error: str | None = None
+    #: "measured" (a real GPU's trials) or "predicted" (on ``speed_gpu``: see the module)
+    ranked_by: str = "measured"
+    speed_gpu: str | None = None
 
     @property
     def pareto(self) -> list[Candidate]:
-        return pareto_front([c for c in self.candidates if c.fits])
+        speed = _predicted_speed if self.ranked_by == "predicted" else _measured_speed
+        return pareto_front([c for c in self.candidates if c.fits], speed)
 
     @property
     def settings(self) -> Settings:
@@ -280,6 +310,8 @@ class Plan(HtmlRepr):
             "trial_steps": self.trial_steps,
             "headroom": self.headroom,
             "estimate_error": self.estimate_error,
+            "ranked_by": self.ranked_by,
+            "speed_gpu": self.speed_gpu,
             "pareto": [c.to_dict() for c in self.pareto],
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -288,6 +320,8 @@ class Plan(HtmlRepr):
 #: (workload, settings, device, largest micro-batch of interest) -> largest that fits, or None
 Predictor = Callable[[Workload, Settings, Device, int], "int | None"]
 Trial = Callable[[Workload, Settings, Device], Measurement]
+#: (workload, settings, card) -> predicted (seconds per step, samples/s) on one device
+SpeedPredictor = Callable[[Workload, Settings, GPU], "tuple[float, float]"]
 
 
 def estimated_max_micro_batch(workload: Workload, settings: Settings, device: Device, limit: int) -> int | None:
@@ -298,7 +332,15 @@ def estimated_max_micro_batch(workload: Workload, settings: Settings, device: De
     from memfit.estimator.estimate import estimate
 
     probe_settings = settings.replace(micro_batch_size=None, accumulation_steps=1)
-    return estimate(workload, None, probe_settings, device=device, search_limit=limit).max_batch_size
+    return estimate(workload, None, probe_settings, device=device, search_limit=limit, speed=False).max_batch_size
+
+
+def predicted_speed(workload: Workload, settings: Settings, card: GPU) -> tuple[float, float]:
+    """The estimator's predicted (seconds per step, samples/s) of the settings on ``card``."""
+    from memfit.estimator.speed import step_time
+
+    time = step_time(workload, settings, card)
+    return time.seconds_per_step, time.samples_per_second
 
 
 def trial(workload: Workload, settings: Settings, device: Device) -> Measurement:
@@ -326,6 +368,8 @@ def plan(
     predictor: Predictor | None = estimated_max_micro_batch,
     run_trial: Trial = trial,
     progress: Callable[[Candidate], None] | None = None,
+    speed_gpu: str | GPU | None = None,
+    predict_speed: SpeedPredictor = predicted_speed,
 ) -> Plan:
     """Find the fastest settings whose micro-batch x accumulation x world size is the target.
 
@@ -350,6 +394,10 @@ def plan(
             is tried and ``Plan.estimate_error`` says why.
         run_trial: runs one candidate (default: two optimizer steps of one micro-batch).
         progress: called with each candidate after its trial.
+        speed_gpu: rank the candidates by their predicted speed on this card of the table
+            (default: on a simulated GPU, its card or the documented default; on a real
+            GPU, the measured speed ranks).
+        predict_speed: the predicted (seconds per step, samples/s) of a candidate on a card.
 
     Raises:
         DoesNotFitError: no candidate fits within the headroom.
@@ -361,7 +409,10 @@ def plan(
     wl = load_workload(workload)
     gpu = make_device(device)
     budget = math.floor((1 - headroom) * gpu.capacity) if gpu.capacity else None
-    precisions = [p for p in (precisions or PRECISIONS) if gpu.supports(p)]
+    card = _speed_card(gpu, speed_gpu)
+    precisions = [
+        p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)
+    ]
     model = wl.build_model()
     checkpointing = list(checkpointing or _checkpointing_modes(model))
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -408,6 +459,9 @@ def plan(
                 assert c.measurement is not None
                 sps = c.measurement.samples_per_second
                 c.samples_per_second = None if sps is None else sps * world_size
+                if card is not None:
+                    seconds, samples = predict_speed(wl, s, card)
+                    c.predicted_seconds_per_step, c.predicted_samples_per_second = seconds, samples * world_size
             if progress:
                 progress(c)
 
@@ -416,7 +470,8 @@ def plan(
     ordered = list(results.values())
     if not measured:
         raise DoesNotFitError(_nothing_fits_message(target_batch_size, pool, ordered, gpu, headroom, failures))
-    best = _recommend(measured)
+    speed = _measured_speed if card is None else _predicted_speed
+    best = _recommend(measured, speed)
     chosen = best.settings
     notes = advice(
         target_batch_size=target_batch_size,
@@ -443,11 +498,13 @@ def plan(
         world_size=world_size,
         candidates=ordered,
         recommended=best,
-        reason=_reason(best, measured, gpu),
+        reason=_reason(best, measured, gpu, speed, card),
         advice=notes,
         trial_steps=trial_steps,
         headroom=headroom,
         estimate_error=estimate_error,
+        ranked_by="measured" if card is None else "predicted",
+        speed_gpu=None if card is None else card.name,
     )
 
 
@@ -550,16 +607,29 @@ def _nothing_fits_message(
     )
 
 
+def _speed_card(gpu: Device, named: str | GPU | None) -> GPU | None:
+    """The card whose predicted speed ranks the candidates, or None to rank by measurement."""
+    if named is None and not isinstance(gpu, SimDevice):
+        return None
+    from memfit.estimator.speed import speed_gpu
+
+    if named is not None:
+        return speed_gpu(named)
+    return speed_gpu(gpu.gpu if isinstance(gpu, SimDevice) else None)
+
+
 def _checkpointing_modes(model: nn.Module) -> list[Checkpointing]:
     """Offer checkpointing only where the model has blocks to checkpoint."""
     supported = getattr(model, "supports_gradient_checkpointing", False) or bool(find_blocks(model))
     return list(CHECKPOINTING) if supported else ["none"]
 
 
-def _recommend(measured: Sequence[Candidate]) -> Candidate:
+def _recommend(
+    measured: Sequence[Candidate], speed: Callable[[Candidate], float | None] = _measured_speed
+) -> Candidate:
     """The fastest; among those within SPEED_TOLERANCE of it, the one using least memory."""
-    fastest = max(c.samples_per_second or 0.0 for c in measured)
-    close = [c for c in measured if (c.samples_per_second or 0.0) >= fastest * (1 - SPEED_TOLERANCE)]
+    fastest = max(speed(c) or 0.0 for c in measured)
+    close = [c for c in measured if (speed(c) or 0.0) >= fastest * (1 - SPEED_TOLERANCE)]
     return min(close, key=lambda c: c.measurement.peak_reserved)  # type: ignore[union-attr]
 
 
@@ -568,16 +638,25 @@ def _describe(s: Settings) -> str:
     return f"{s.precision}{ckpt}"
 
 
-def _reason(best: Candidate, measured: Sequence[Candidate], gpu: Device) -> str:
+def _reason(
+    best: Candidate,
+    measured: Sequence[Candidate],
+    gpu: Device,
+    speed: Callable[[Candidate], float | None] = _measured_speed,
+    card: GPU | None = None,
+) -> str:
     s = best.settings
     assert best.measurement is not None
     memory = format_size(best.measurement.peak_reserved)
     if gpu.capacity:
         memory += f" of {format_size(gpu.capacity)}"
     others = len(measured) - 1
-    speed = f"{best.samples_per_second:.1f} samples/s" if best.samples_per_second else "the best speed"
+    value = speed(best)
+    rate = f"{value:.1f} samples/s" if value else "the best speed"
+    if card is not None and value:
+        rate = f"{rate} predicted on the {card.name}"
     return (
         f"micro-batch {s.micro_batch_size} x {s.accumulation_steps} accumulation step(s) in {_describe(s)} "
-        f"is the fastest of {others + 1} setting(s) that fit ({speed}, peak {memory} reserved)"
+        f"is the fastest of {others + 1} setting(s) that fit ({rate}, peak {memory} reserved)"
         + (" and uses the least memory of those within 2% of it." if others else ".")
     )
