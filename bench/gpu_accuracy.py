@@ -61,6 +61,8 @@ from memfit.cuda.context import (
     module_loading,
     parse_cuda_version,
 )
+from gpu_speed_check import check as check_speed
+from gpu_speed_check import summary as speed_summary
 from memfit.cuda.cudnn import rnn_reserve_bytes
 from memfit.estimator.estimate import estimate
 from memfit.units import format_size
@@ -594,6 +596,16 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             _pct(worst([r for r in zoo if r["fits"]], "reserved_error_pct")),
         )
     )
+    speed = results["speed"]
+    median = speed_summary(speed)["median_abs_error_pct"]
+    table.append(
+        (
+            "predicted samples/s (median)",
+            f"{sum(r['measured_samples_per_second'] is not None for r in speed)}/{len(speed)}",
+            "bench/gpu_speed_check.py",
+            _pct(median),
+        )
+    )
     return table
 
 
@@ -618,6 +630,7 @@ def run(out: Path, quick: bool, dry_run: bool) -> int:
     results["autocast"] = check_autocast(device)
     results["rnn"] = check_rnn(device)
     results["zoo"] = [] if dry_run else check_zoo(quick)
+    results["speed"] = check_speed("A100 80GB SXM" if dry_run else None, measure=not dry_run, quick=quick)
     results.update(
         {
             "dry_run": dry_run,

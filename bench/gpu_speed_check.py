@@ -1,0 +1,143 @@
+"""Predicted against measured training speed on the GPU of this machine.
+
+For a few workloads, precisions and batch sizes: ``memfit.measure`` on ``cuda`` (the median
+of the last steps' times, after warm-up steps) against
+``memfit.estimator.speed.step_time`` on the card the table finds for
+``torch.cuda.get_device_name()`` (the process's tf32 settings apply to both). The figure to
+read is the error of samples/s and whether the prediction orders each workload's settings
+as the GPU does.
+
+``bench/gpu_accuracy.py`` calls :func:`check` and writes its rows with its own results.
+Without CUDA (or with ``--dry-run``) nothing is measured: the predictions alone are printed
+for ``--gpu`` (default: the A100 80GB SXM), which exercises the whole path on a CPU.
+
+Run: .venv/bin/python bench/gpu_speed_check.py [--dry-run] [--gpu NAME] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+from memfit._io import write_atomically
+from memfit.estimator.speed import step_time
+from memfit.memory.gpus import lookup
+from memfit.run.steps import run_steps
+
+OUT = Path(__file__).resolve().parent / "gpu_speed_check.json"
+
+#: (workload, batch sizes, precisions): a transformer, a convnet and an MLP, in seconds each
+WORKLOADS: list[tuple[str, tuple[int, ...], tuple[str, ...]]] = [
+    ("gpt2:n_layer=6,seq_len=512", (4, 16), ("fp32", "bf16", "fp16")),
+    ("resnet50:image_size=224", (32, 128), ("fp32", "bf16")),
+    ("mlp:layers=8,width=4096,features=4096", (256, 2048), ("fp32", "bf16")),
+]
+#: optimizer steps timed after two warm-up steps (the first allocates the optimizer state)
+TIMED_STEPS = 5
+
+
+def measured_seconds(ref: str, settings: memfit.Settings, device: memfit.Device) -> float | None:
+    """The median of the timed steps' seconds, or None when the batch does not fit."""
+    from memfit.memory.oom import is_oom
+
+    try:
+        run = run_steps(memfit.load_workload(ref), settings, device, steps=2 + TIMED_STEPS)
+    except Exception as error:
+        if not is_oom(error):
+            raise
+        torch.cuda.empty_cache()
+        return None
+    return statistics.median(run.step_seconds[2:])
+
+
+def check(gpu: str | None = None, *, measure: bool = True, quick: bool = False) -> list[dict[str, Any]]:
+    """Rows of predicted (and, with ``measure``, measured) samples/s on this machine's GPU.
+
+    Args:
+        gpu: the card to predict for (default: the one ``torch.cuda.get_device_name()``
+            names).
+        measure: run the workloads on ``cuda`` (False: predictions only, for a CPU).
+        quick: the first workload only.
+    """
+    name = gpu or torch.cuda.get_device_name(0)
+    card = lookup(name)
+    device = memfit.device("cuda") if measure else None
+    rows = []
+    for ref, batches, precisions in WORKLOADS[:1] if quick else WORKLOADS:
+        for precision in precisions:
+            if precision == "bf16" and not card.bf16:
+                continue
+            for batch in batches:
+                settings = memfit.Settings(precision=precision, micro_batch_size=batch)  # type: ignore[arg-type]
+                predicted = step_time(ref, settings, card)
+                seconds = measured_seconds(ref, settings, device) if device is not None else None
+                row = {
+                    "workload": ref,
+                    "precision": precision,
+                    "batch_size": batch,
+                    "gpu": card.name,
+                    "predicted_samples_per_second": predicted.samples_per_second,
+                    "measured_samples_per_second": batch / seconds if seconds else None,
+                }
+                if seconds:
+                    row["error_pct"] = 100.0 * (predicted.samples_per_second * seconds / batch - 1)
+                rows.append(row)
+                measured = row["measured_samples_per_second"]
+                print(
+                    f"{ref:40s} {precision:5s} b={batch:<5d} predicted {predicted.samples_per_second:10.1f}"
+                    + (f"  measured {measured:10.1f}  ({row['error_pct']:+.1f} %)" if measured else ""),
+                    flush=True,
+                )
+    return rows
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median |error| and, per workload, whether the prediction orders its settings as measured."""
+    measured = [r for r in rows if r.get("error_pct") is not None]
+    orders = {}
+    for ref in {r["workload"] for r in measured}:
+        mine = [r for r in measured if r["workload"] == ref]
+        by_measured = sorted(mine, key=lambda r: r["measured_samples_per_second"])
+        by_predicted = sorted(mine, key=lambda r: r["predicted_samples_per_second"])
+        orders[ref] = [(r["precision"], r["batch_size"]) for r in by_measured] == [
+            (r["precision"], r["batch_size"]) for r in by_predicted
+        ]
+    return {
+        "median_abs_error_pct": statistics.median(abs(r["error_pct"]) for r in measured) if measured else None,
+        "same_order": orders,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="predict only (what a machine without CUDA does)")
+    parser.add_argument("--gpu", default=None, help="the card to predict for (default: this machine's)")
+    parser.add_argument("--quick", action="store_true", help="the first workload only")
+    parser.add_argument("--out", type=Path, default=OUT, help="JSON file to write (default: %(default)s)")
+    args = parser.parse_args(argv)
+    measure = torch.cuda.is_available() and not args.dry_run
+    if not measure:
+        print(
+            f"no CUDA GPU here (torch {torch.__version__}) or --dry-run: predictions only, nothing measured",
+            file=sys.stderr,
+        )
+    started = time.perf_counter()
+    rows = check(args.gpu or (None if measure else "A100 80GB SXM"), measure=measure, quick=args.quick)
+    result = {"rows": rows, **summary(rows), "seconds": round(time.perf_counter() - started, 1)}
+    if measure:
+        result["torch"], result["cuda"] = torch.__version__, torch.version.cuda
+        write_atomically(args.out, json.dumps(result, indent=2) + "\n")
+        print(f"median |error| {result['median_abs_error_pct']:.1f} %; same order: {result['same_order']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
