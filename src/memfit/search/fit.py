@@ -87,9 +87,15 @@ class FitResult:
                 "and plan tried every candidate."
             )
         elif self.estimate is not None and self.estimate.max_batch_size is not None:
+            speed = ""
+            if self.estimate.predicted_samples_per_second:
+                speed = (
+                    f" Predicted on the {self.estimate.speed_gpu}: "
+                    f"{self.estimate.predicted_samples_per_second:,.1f} samples/s at that batch."
+                )
             lines.append(
                 f"Estimate: a step at batch {self.estimate.batch_size} needs {format_size(self.estimate.total)}; "
-                f"predicted largest batch {self.estimate.max_batch_size}."
+                f"predicted largest batch {self.estimate.max_batch_size}.{speed}"
             )
         p = self.probe
         if p.limit == "max_batch_size":
