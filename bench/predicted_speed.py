@@ -11,8 +11,8 @@ each source, the ranking of its rows: every pair of rows whose published through
 by more than :data:`TIE` must come out in the same order (closer pairs are within the
 run-to-run and machine-to-machine noise of such figures and count as ties).
 
-Writes the "predicted-speed" section of docs/benchmarks.md and the rows as JSON to
-bench/predicted_speed.json.
+Writes the "predicted-speed" section of docs/benchmarks.md (``--json FILE`` also writes
+the rows, with where each predicted time goes).
 
 Run: .venv/bin/python bench/predicted_speed.py [--quick]
 """
@@ -50,7 +50,6 @@ from memfit.estimator.timing import (
 from memfit.workload import Workload
 
 COMMAND = "python bench/predicted_speed.py"
-OUT = Path(__file__).resolve().parent / "predicted_speed.json"
 #: published throughputs closer than this ratio are ties in the ranking check
 TIE = 1.10
 
@@ -378,6 +377,7 @@ def report(results: list[Result], seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two rows, no docs update (a smoke test)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     rows = ROWS[:1] + [r for r in ROWS if r.workload == "resnet50"][:1] if args.quick else ROWS
@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = report(results, seconds)
     print(text)
+    if args.json is not None:
+        write_atomically(args.json, json.dumps(data, indent=2) + "\n")
     if not args.quick:
-        write_atomically(OUT, (json.dumps(data, indent=2) + "\n").encode())
         write_section("predicted-speed", text)
     return 0
 
