@@ -422,7 +422,9 @@ def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: 
     from memfit.estimator.estimate import estimate
 
     try:
-        predicted = estimate(workload, None, settings.replace(micro_batch_size=None), device=gpu, search_limit=limit)
+        predicted = estimate(
+            workload, None, settings.replace(micro_batch_size=None), device=gpu, search_limit=limit, speed=False
+        )
     except Exception:  # noqa: BLE001 - only the starting point is lost; real trials follow
         # A bug in the user's step shows up unchanged in the first real trial.
         return None
