@@ -54,6 +54,8 @@ import torch
 import torch.nn.functional as F
 
 import memfit
+from gpu_speed_check import check as check_speed
+from gpu_speed_check import summary as speed_summary
 from memfit.cuda.context import (
     CUBLAS_WORKSPACES_IN_TRAINING,
     cublas_workspace,
@@ -61,8 +63,6 @@ from memfit.cuda.context import (
     module_loading,
     parse_cuda_version,
 )
-from gpu_speed_check import check as check_speed
-from gpu_speed_check import summary as speed_summary
 from memfit.cuda.cudnn import rnn_reserve_bytes
 from memfit.estimator.estimate import estimate
 from memfit.units import format_size

@@ -390,7 +390,7 @@ def _bert_row(
         source=_HF_DOCS,
         section=section,
         gpu=_HF_DOCS_GPU,
-        gpu_table="V100 16GB",
+        gpu_table="V100 SXM2 16GB",
         versions=_HF_DOCS_VERSIONS,
         cuda="11.2",
         torch="1.10",

@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
+from memfit.cuda.context import fixed_costs, resolve_cuda_version
 from memfit.cuda.semantics import cuda_semantics
 from memfit.cuda.target import CudaTarget
 from memfit.distributed import launched_by_torchrun
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
-from memfit.memory.gpus import GPU, fixed_costs, lookup
+from memfit.memory.gpus import GPU, lookup
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.units import format_size, parse_size
 
@@ -359,14 +360,15 @@ def device(spec: str | Device = "auto", *, memory: int | str | None = None) -> D
 
 
 def _sim_card(name: str, spec: str, capacity: int | None) -> SimDevice:
-    """``sim:RTX 3090``: the card's usable memory (less the CUDA context and cuBLAS's
-    workspace, which the allocator never sees; or ``capacity``), its precisions, and its
-    speed for plan."""
+    """``sim:RTX 3090``: the card's usable memory less what the allocator never sees (the
+    estimator's fixed costs for the installed CUDA: :func:`memfit.cuda.context.fixed_costs`),
+    or ``capacity``; its precisions; and its speed for plan."""
     try:
         card = lookup(name)
     except MemfitError as error:
         raise DeviceError(f"unknown device {spec!r}: give a size (sim:8GiB) or a GPU of the table: {error}") from None
-    usable = card.memory - sum(fixed_costs(card).values())
+    cuda, _ = resolve_cuda_version(None)
+    usable = card.memory - sum(fixed_costs(card.family, card.compute_capability[0], cuda).values())
     sim = SimDevice(capacity if capacity is not None else usable, f"sim:{card.name}")
     sim.gpu = card
     return sim
