@@ -190,7 +190,7 @@ def test_rnn_reserve_space_by_hand() -> None:
 
 
 def _estimate_json(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, object]:
-    assert main(["estimate", TINY, "--batch-size", "2", "--gpu", "V100 16GB", "--json", *extra]) == 0
+    assert main(["estimate", TINY, "--batch-size", "2", "--gpu", "V100 SXM2 16GB", "--json", *extra]) == 0
     data: dict[str, object] = json.loads(capsys.readouterr().out)
     return data
 

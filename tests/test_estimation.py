@@ -201,8 +201,8 @@ def test_gpu_target_subtracts_fixed_costs_and_counts_them_in_total() -> None:
 
 def test_cuda_version_sets_the_context_by_module_loading() -> None:
     # CUDA 11.2 has no lazy loading: the V100's eager context of the transformers docs.
-    old = estimate("mlp:layers=1,width=32", 4, gpu="V100 16GB", cuda_version="11.2", search=False)
-    new = estimate("mlp:layers=1,width=32", 4, gpu="V100 16GB", cuda_version="cu121", search=False)
+    old = estimate("mlp:layers=1,width=32", 4, gpu="V100 SXM2 16GB", cuda_version="11.2", search=False)
+    new = estimate("mlp:layers=1,width=32", 4, gpu="V100 SXM2 16GB", cuda_version="cu121", search=False)
     assert old.breakdown["cuda context"] == 1341 * MiB and new.breakdown["cuda context"] == 300 * MiB
     assert old.total - new.total == 1041 * MiB
 
