@@ -116,7 +116,7 @@ def test_names_as_torch_and_nvidia_smi_print_them(printed: str, expected: str) -
     ("name", "cards"),
     [
         ("V100", ["V100 SXM2 16GB", "V100 SXM2 32GB", "V100 PCIe 16GB", "V100 PCIe 32GB"]),
-        ("V100 SXM2 16GB", ["V100 SXM2 16GB", "V100 PCIe 16GB"]),
+        ("V100 16GB", ["V100 SXM2 16GB", "V100 PCIe 16GB"]),
         ("A100", ["A100 40GB", "A100 80GB PCIe", "A100 80GB SXM"]),
         ("a100-80gb", ["A100 80GB PCIe", "A100 80GB SXM"]),
         ("H100", ["H100 PCIe", "H100 SXM"]),

@@ -302,3 +302,23 @@ def test_plan_cli_shows_the_predicted_column(capsys: pytest.CaptureFixture[str])
     assert code == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "Ranked by the predicted speed on the RTX 4090" in out
+
+
+def test_plan_says_so_and_ranks_by_measurement_when_no_speed_can_be_predicted() -> None:
+    def cannot(wl, s, card):
+        raise MemfitError("cannot estimate: operation aten._local_scalar_dense.default in module 'mask'")
+
+    trials = Trials()
+    result = plan(
+        "mlp:layers=2,width=16,features=8",
+        8,
+        memfit.device("sim:1GiB"),
+        checkpointing=["none"],
+        predictor=None,
+        run_trial=trials.trial,
+        predict_speed=cannot,
+    )
+    assert result.ranked_by == "measured" and result.speed_gpu is None
+    assert result.speed_error is not None and "aten._local_scalar_dense" in result.speed_error
+    assert result.recommended is not None and result.recommended.settings.precision == "bf16"  # measured fastest
+    assert all(c.predicted_samples_per_second is None for c in result.candidates)

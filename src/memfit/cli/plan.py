@@ -149,6 +149,11 @@ def print_plan(result: Plan) -> None:
     console.print(table)
     if result.estimate_error:
         console.print(f"The estimate could not prune candidates ({result.estimate_error}); every one was tried.")
+    if result.speed_error:
+        console.print(
+            f"The predicted GPU speed could not be computed ({result.speed_error}): ranked by the measured "
+            f"speed on {result.device}, which on a simulated GPU is the CPU's."
+        )
     if predicted:
         console.print(
             f"Ranked by the predicted speed on the {result.speed_gpu} (eager PyTorch; the trials ran on "

@@ -285,6 +285,8 @@ class Plan(HtmlRepr):
     #: "measured" (a real GPU's trials) or "predicted" (on ``speed_gpu``: see the module)
     ranked_by: str = "measured"
     speed_gpu: str | None = None
+    #: why the predicted speed could not rank a simulated GPU's candidates (None: it did, or was not asked)
+    speed_error: str | None = None
 
     @property
     def pareto(self) -> list[Candidate]:
@@ -312,6 +314,7 @@ class Plan(HtmlRepr):
             "estimate_error": self.estimate_error,
             "ranked_by": self.ranked_by,
             "speed_gpu": self.speed_gpu,
+            "speed_error": self.speed_error,
             "pareto": [c.to_dict() for c in self.pareto],
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -423,6 +426,7 @@ def plan(
     per_rank = target_batch_size // world_size
     trial_steps = 0
     estimate_error: str | None = None
+    speed_error: str | None = None
     failures = _Failures()
     for group in _group_order(precisions, checkpointing):
         members = [s for s in pool if (s.precision, s.checkpointing) == group]
@@ -460,8 +464,15 @@ def plan(
                 sps = c.measurement.samples_per_second
                 c.samples_per_second = None if sps is None else sps * world_size
                 if card is not None:
-                    seconds, samples = predict_speed(wl, s, card)
-                    c.predicted_seconds_per_step, c.predicted_samples_per_second = seconds, samples * world_size
+                    try:
+                        seconds, samples = predict_speed(wl, s, card)
+                    except MemfitError as error:
+                        # Fake tensors cannot run this step (a value read in forward): no
+                        # predicted speed for any candidate; the measured one ranks, and says so.
+                        speed_error, card = _one_line(error), None
+                    else:
+                        c.predicted_seconds_per_step = seconds
+                        c.predicted_samples_per_second = samples * world_size
             if progress:
                 progress(c)
 
@@ -470,6 +481,9 @@ def plan(
     ordered = list(results.values())
     if not measured:
         raise DoesNotFitError(_nothing_fits_message(target_batch_size, pool, ordered, gpu, headroom, failures))
+    if card is None:
+        for c in results.values():  # none, or a partial ranking: the measured speed ranks all
+            c.predicted_seconds_per_step = c.predicted_samples_per_second = None
     speed = _measured_speed if card is None else _predicted_speed
     best = _recommend(measured, speed)
     chosen = best.settings
@@ -505,6 +519,7 @@ def plan(
         estimate_error=estimate_error,
         ranked_by="measured" if card is None else "predicted",
         speed_gpu=None if card is None else card.name,
+        speed_error=speed_error,
     )
 
 
