@@ -324,3 +324,11 @@ def test_table_facts_are_consistent() -> None:
         # every spelling of a card finds that card
         for spelling in (gpu.name, *gpu.aliases):
             assert lookup(spelling) is gpu
+
+
+def test_a_simulated_card_follows_its_own_compute_capability():
+    from memfit.memory.devices import device
+
+    ampere, volta = device("sim:RTX 3090"), device("sim:Tesla V100-SXM2-32GB")
+    assert ampere.cuda is not None and ampere.cuda.capability == (8, 6)
+    assert volta.cuda is not None and volta.cuda.capability == (7, 0)

@@ -362,14 +362,17 @@ def device(spec: str | Device = "auto", *, memory: int | str | None = None) -> D
 def _sim_card(name: str, spec: str, capacity: int | None) -> SimDevice:
     """``sim:RTX 3090``: the card's usable memory less what the allocator never sees (the
     estimator's fixed costs for the installed CUDA: :func:`memfit.cuda.context.fixed_costs`),
-    or ``capacity``; its precisions; and its speed for plan."""
+    or ``capacity``; its precisions and its CUDA semantics (compute capability); and its
+    speed for plan."""
     try:
         card = lookup(name)
     except MemfitError as error:
         raise DeviceError(f"unknown device {spec!r}: give a size (sim:8GiB) or a GPU of the table: {error}") from None
     cuda, _ = resolve_cuda_version(None)
     usable = card.memory - sum(fixed_costs(card.family, card.compute_capability[0], cuda).values())
-    sim = SimDevice(capacity if capacity is not None else usable, f"sim:{card.name}")
+    # the card's own CUDA semantics too: its compute capability picks the attention kernels
+    semantics = CudaTarget(card.compute_capability, cuda, card.name)
+    sim = SimDevice(capacity if capacity is not None else usable, f"sim:{card.name}", cuda=semantics)
     sim.gpu = card
     return sim
 
