@@ -43,8 +43,8 @@ from torch._subclasses.fake_tensor import (
 
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
-from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.estimator.timing import OpCounter, OpTrace
+from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
