@@ -13,5 +13,7 @@ its source:
 - :mod:`memfit.cuda.sdpa_choice` and :mod:`memfit.cuda.attention`: the attention kernel
   CUDA picks and what it keeps; :mod:`memfit.cuda.autocast_lists` and
   :mod:`memfit.cuda.autocast`: CUDA autocast's op lists; :mod:`memfit.cuda.dropout`: the
-  fused dropout's bool mask; :mod:`memfit.cuda.rnn`: cuDNN's LSTM/GRU/RNN.
+  fused dropout's bool mask; :mod:`memfit.cuda.rnn`: cuDNN's LSTM/GRU/RNN;
+- :mod:`memfit.cuda.kernels`: the CUDA kernel each of them stands for (FLOPs, bytes,
+  dtype), reported to the estimator's step-time counter in place of the CPU's work.
 """

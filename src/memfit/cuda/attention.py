@@ -37,6 +37,12 @@ cudnn       output laid out like the query; softmax      dq/dk/dv ``empty_like``
 Not modelled: the memory-efficient backward's and cuDNN's workspaces (sized by the
 kernel template or cuDNN frontend chosen on the GPU) and flash's split-KV accumulators
 (dropout-free forward with few (batch × heads × 64-row blocks) per multiprocessor).
+
+For the step time, a fused call reports the one kernel CUDA runs in forward and the one
+in backward (:mod:`memfit.cuda.kernels`): FLOPs by PyTorch's flop-counter formula for
+``_scaled_dot_product_{flash,efficient,cudnn}_attention`` and their ``_backward`` (the
+formulas count causal calls as full ones), bytes of its inputs, outputs and temporaries
+once each (a temporary twice: written, then read); the CPU's arithmetic is not timed.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.cuda.counting import fill, has_values, not_counted
+from memfit.cuda.kernels import Kernel, formula_flops, moved_bytes, report, reporting
 from memfit.cuda.sdpa_choice import Backend, choose_backend
 from memfit.cuda.target import CudaTarget
 
@@ -125,6 +132,32 @@ def attention_values(
 
 
 # -- the fused kernels -------------------------------------------------------------------
+
+#: the ATen operation each fused backend is on CUDA (its backward adds ``_backward``)
+_KERNEL_NAMES: dict[str, str] = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+}
+
+
+def _report_forward(call: _Call, tensors: list[torch.Tensor | None]) -> None:
+    """The forward kernel CUDA runs: q, k, v (and the bias) read; output and extras written."""
+    query, key, value = tensors[:3]
+    assert query is not None and key is not None and value is not None
+    name = _KERNEL_NAMES[call.backend]
+    flops = formula_flops(name, query, key, value)
+    report(Kernel(name, flops, moved_bytes(*tensors), query.dtype, "matmul"))
+
+
+def _report_backward(call: _Call, tensors: list[torch.Tensor | None], temps: list[torch.Tensor]) -> None:
+    """The backward kernel: saved tensors and grad_out read, gradients written, temporaries both."""
+    grad_out, query, key, value = tensors[:4]
+    assert grad_out is not None and query is not None and key is not None and value is not None
+    name = _KERNEL_NAMES[call.backend] + "_backward"
+    flops = formula_flops(name, grad_out, query, key, value)
+    nbytes = moved_bytes(*tensors) + 2 * moved_bytes(*temps)
+    report(Kernel(name, flops, nbytes, query.dtype, "matmul"))
 
 
 def _output(backend: Backend, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -210,6 +243,8 @@ class _FusedAttention(torch.autograd.Function):
             fill(out, values)
         del values
         kept, transient = _forward_extras(call, query, value)
+        if reporting():
+            _report_forward(call, [query, key, value, bias, out, *kept, *transient])
         del transient  # freed when the kernel returns
         ctx.call, ctx.rng_state = call, rng_state
         ctx.has_bias = bias is not None
@@ -245,6 +280,9 @@ class _FusedAttention(torch.autograd.Function):
             temps.append(
                 torch.empty(query.size(0), query.size(1), query.size(2), dtype=torch.float32, device=query.device)
             )
+        if reporting():
+            lse = ctx.saved_tensors[5:6]  # flash, efficient: logsumexp; cudnn: its stats (or nothing)
+            _report_backward(call, [grad_out, query, key, value, bias, out, *lse, *grads, grad_bias], temps)
         if has_values(grad_out):
             with not_counted():
                 computed = _recompute_gradients(ctx, query, key, value, bias, grad_out)

@@ -11,7 +11,10 @@ feature and alpha dropout) runs the same code on both and is left alone.
 
 The CPU's ``native_dropout`` kernel also returns a bool mask, but makes it through a
 mask in the input's dtype first; :func:`fused_dropout` therefore computes the values
-inside :func:`memfit.cuda.counting.not_counted` and allocates only CUDA's tensors.
+inside :func:`memfit.cuda.counting.not_counted` and allocates only CUDA's tensors, and
+reports the two kernels CUDA runs (:mod:`memfit.cuda.kernels`): ``native_dropout`` reads
+the input and writes the output and the mask; ``native_dropout_backward`` reads the
+gradient and the mask and writes the input's gradient. Neither computes a product.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 
 from memfit.cuda.counting import fill, not_counted
+from memfit.cuda.kernels import Kernel, moved_bytes, report, reporting
 
 __all__ = ["fused_dropout", "takes_fused_kernel"]
 
@@ -38,6 +42,8 @@ class _FusedDropout(torch.autograd.Function):
         out = fill(torch.empty_like(tensor), values)
         mask = fill(torch.empty_like(tensor, dtype=torch.bool), keep)
         del values, keep
+        if reporting():
+            report(Kernel("native_dropout", 0, moved_bytes(tensor, out, mask), tensor.dtype, "none"))
         ctx.scale = 1.0 / (1.0 - p)
         ctx.save_for_backward(mask)
         return out
@@ -46,6 +52,8 @@ class _FusedDropout(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (mask,) = ctx.saved_tensors
         grad_input = torch.empty_like(grad)
+        if reporting():
+            report(Kernel("native_dropout_backward", 0, moved_bytes(grad, mask, grad_input), grad.dtype, "none"))
         with not_counted():
             fill(grad_input, grad * mask * ctx.scale)
         return grad_input, None

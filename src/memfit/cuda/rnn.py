@@ -19,6 +19,17 @@ Assumed (as ``nn.LSTM.cuda()`` does through ``flatten_parameters``): the module'
 are one contiguous buffer, so the forward needs no copy of them. Not modelled: cuDNN's
 workspace (transient, sized by cuDNN) and the dropout state cached once per process.
 Packed sequences (``aten::lstm.data``) keep the CPU's implementation.
+
+For the step time, the call reports the cuDNN calls CUDA makes (:mod:`memfit.cuda.kernels`),
+not the CPU's per-step cells: ``_cudnn_rnn`` does, for every weight matrix W of every layer
+and direction, one product of W with each step's (batch, ·) input — ``mm`` FLOPs (PyTorch's
+formula) of a (steps × batch, in) by (in, out) product; its backward (``_cudnn_rnn_backward``:
+cuDNN's backward-data and backward-weights) does two of each, for the inputs' and the
+weights' gradients. The gates' element-wise work is small beside them and not counted in
+FLOPs; bytes are the calls' inputs, outputs and reserve space once each, with
+``batch_first``'s time-major copies as copy kernels of their own. The products run on
+cuDNN's math type: tensor cores in fp16, tf32 in fp32 where ``torch.backends.cudnn.allow_tf32``
+allows (``getCudnnMathType``, native/cudnn/RNN.cpp).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import torch
 
 from memfit.cuda.counting import fill, has_values, not_counted
 from memfit.cuda.cudnn import RNNMode, rnn_reserve_bytes
+from memfit.cuda.kernels import Kernel, formula_flops, moved_bytes, report, reporting
 
 __all__ = ["Mode", "cudnn_rnn", "reserve_bytes"]
 
@@ -92,6 +104,21 @@ def _original(
     return result
 
 
+def _forward_flops(params: list[torch.Tensor], steps: int) -> int:
+    """FLOPs of a training forward: each weight matrix times every step's input (``mm``)."""
+    return sum(
+        formula_flops("mm", torch.Size([steps, w.size(1)]), torch.Size([w.size(1), w.size(0)]))
+        for w in params
+        if w.dim() == 2
+    )
+
+
+def _report_copies(*tensors: torch.Tensor) -> None:
+    """``batch_first``'s time-major ``contiguous()`` copies: read and written once each."""
+    for tensor in tensors:
+        report(Kernel("copy_", 0, 2 * moved_bytes(tensor), tensor.dtype, "none"))
+
+
 class _CudnnRnn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -117,6 +144,12 @@ class _CudnnRnn(torch.autograd.Function):
                 config.mode, seq_len, batch, hidden, config.num_layers, directions, data.element_size()
             )
             reserve = torch.empty(size, dtype=torch.uint8, device=data.device)
+        if reporting():
+            if config.batch_first:
+                _report_copies(data)
+            nbytes = moved_bytes(data, *hx, *params, output, *states, reserve)
+            flops = _forward_flops(params, seq_len * batch)
+            report(Kernel("_cudnn_rnn", flops, nbytes, data.dtype, "cudnn"))
         if config.batch_first:
             del copy
         fill(output, values[0])
@@ -150,6 +183,14 @@ class _CudnnRnn(torch.autograd.Function):
         for p in params:
             grad_params.append(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+        if reporting():
+            if config.batch_first:
+                _report_copies(data, output, output)
+            steps = data.size(0) * data.size(1)
+            read = moved_bytes(data, *hx, *params, output, saved[-1], *grads)
+            written = moved_bytes(grad_data, *grad_hx, flat)
+            flops = 2 * _forward_flops(params, steps)  # backward-data and backward-weights
+            report(Kernel("_cudnn_rnn_backward", flops, read + written, data.dtype, "cudnn"))
         if has_values(data):
             with not_counted():
                 computed = _recompute(config, ctx.rng_state, data, hx, params, grads)

@@ -41,6 +41,8 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from memfit.cuda.counting import counting
+from memfit.cuda.kernels import observing
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
 from memfit.estimator.timing import OpCounter, OpTrace
@@ -132,7 +134,9 @@ class _FakeStepTracker(StorageTracker):
                 return _zero_like_scalar(args[0])
             message = unsupported_message(str(func), labels.module, error)
         else:
-            if self.counter is not None:
+            # CPU scratch work of an emulated CUDA kernel is not timed: the emulation reports
+            # the kernel CUDA runs instead (memfit.cuda.kernels, OpCounter.kernel)
+            if self.counter is not None and counting():
                 self.counter.record(func, args, kwargs, out)
             return out
         raise UnsupportedOperation(message)  # outside the except block: no chained traceback
@@ -255,7 +259,8 @@ def run_fake_steps(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fits = True
     try:
-        with mode, _swappable_parameters(mode), watching_positions() as positions:
+        observer = observing(counter.kernel) if counter is not None else contextlib.nullcontext()
+        with mode, _swappable_parameters(mode), watching_positions() as positions, observer:
             fake = _fake_workload(workload, mode, foreach, positions)
             run_steps(fake, settings, device, steps=steps, label_modules=True)
     except Exception as error:

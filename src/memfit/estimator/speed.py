@@ -1,8 +1,9 @@
 """The predicted speed of a workload's training step on a GPU of the table, without the GPU.
 
 One fake step (:mod:`memfit.estimator.fake`, shapes only) records the operations of a
-micro-batch and of the optimizer; :func:`memfit.estimator.timing.predict` times them on the
-card. Accumulation reuses the one recorded micro-batch, so a candidate of plan with 64
+micro-batch and of the optimizer, with the card's CUDA semantics (:mod:`memfit.cuda`: the
+attention kernel CUDA picks on it, fused dropout, cuDNN RNNs);
+:func:`memfit.estimator.timing.predict` times them on the card. Accumulation reuses the one recorded micro-batch, so a candidate of plan with 64
 micro-batches per step costs one fake micro-batch, not 64.
 
 >>> import memfit
@@ -13,6 +14,7 @@ micro-batches per step costs one fake micro-batch, not 64.
 
 from __future__ import annotations
 
+from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
 from memfit.estimator.fake import run_fake_steps
 from memfit.estimator.timing import OpTrace, StepTime, predict
@@ -34,12 +36,27 @@ def speed_gpu(gpu: str | GPU | None) -> GPU:
     return lookup(gpu or DEFAULT_SPEED_GPU)
 
 
-def record_step(workload: Workload, settings: Settings, *, foreach: bool = True) -> OpTrace:
-    """The operations of one micro-batch and one optimizer step of ``workload``.
+def record_step(
+    workload: Workload, settings: Settings, *, foreach: bool = True, gpu: str | GPU | None = None
+) -> OpTrace:
+    """The operations of one micro-batch and one optimizer step of ``workload``, as CUDA runs
+    them on ``gpu``.
 
-    ``foreach=True`` gives optimizers CUDA's default implementation (what a GPU runs).
+    Args:
+        workload: the workload.
+        settings: its settings (the micro-batch is recorded once, whatever the accumulation).
+        foreach: give optimizers CUDA's default implementation (what a GPU runs).
+        gpu: the card whose CUDA semantics the step follows (its compute capability decides
+            the attention kernel); default :data:`DEFAULT_SPEED_GPU`.
     """
-    run = run_fake_steps(workload, settings.replace(accumulation_steps=1), foreach=foreach, count_ops=True)
+    card = speed_gpu(gpu)
+    run = run_fake_steps(
+        workload,
+        settings.replace(accumulation_steps=1),
+        foreach=foreach,
+        cuda=CudaTarget(card.compute_capability, name=card.name),
+        count_ops=True,
+    )
     assert run.ops is not None  # no budget: the run always completes
     return run.ops
 
@@ -75,7 +92,7 @@ def step_time(
     if settings.precision == "bf16" and not card.bf16:
         raise MemfitError(f"{card.name} does not support bf16: use fp16 or fp32")
     if trace is None:
-        trace = record_step(load_workload(workload), settings, foreach=foreach)
+        trace = record_step(load_workload(workload), settings, foreach=foreach, gpu=card)
     assert settings.batch_size is not None
     return predict(
         trace,

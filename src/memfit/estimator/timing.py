@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from memfit.cuda.kernels import Kernel
 from memfit.memory.gpus import GPU
 from memfit.memory.tracker import current_labels
 
@@ -83,6 +84,8 @@ KERNEL, MATMUL, CONV, NO_KERNEL, SYNC, IGNORED = range(6)
 SINGLE, HALF, BFLOAT, OTHER = range(4)
 
 _DTYPES = {torch.float32: SINGLE, torch.float16: HALF, torch.bfloat16: BFLOAT}
+#: what a reported CUDA kernel's FLOPs run on (memfit.cuda.kernels.Engine), as a kind here
+_ENGINES = {"matmul": MATMUL, "cudnn": CONV, "none": KERNEL}
 
 #: operations that launch no kernel (beyond views, which ``OpOverload.is_view`` tells)
 _NO_KERNEL = frozenset(
@@ -221,10 +224,15 @@ def _arrays() -> tuple[array.array[int], array.array[float], array.array[float],
 
 class OpCounter:
     """Records the cost of each ATen operation of one step (the dispatch mode calls
-    :meth:`record` after each operation).
+    :meth:`record` after each operation), and of each CUDA kernel an emulation of
+    :mod:`memfit.cuda` stands for (:meth:`kernel`, registered with
+    :func:`memfit.cuda.kernels.observing`).
 
     Why only one step: the first step allocates the optimizer's state; the second is the
-    steady state a long run repeats.
+    steady state a long run repeats. Why both: an emulated kernel (fused attention, fused
+    dropout, a cuDNN RNN) computes its values with CPU operations CUDA does not run, which
+    the dispatch mode does not pass on (they run inside ``memfit.cuda.counting.not_counted``);
+    the emulation reports the CUDA kernel instead.
     """
 
     def __init__(self, step: int, micro_batches: int = 1) -> None:
@@ -273,6 +281,14 @@ class OpCounter:
                     # a signature PyTorch's formula does not know: timed by its bytes, and said
                     self.uncounted += 1
         self.add(kind, flops, nbytes, dtype, phase=labels.phase)
+
+    def kernel(self, kernel: Kernel) -> None:
+        """Count a CUDA kernel an emulation reports, if it belongs to the recorded step."""
+        labels = current_labels()
+        if labels.step != self.step:
+            return
+        dtype = _DTYPES.get(kernel.dtype, OTHER)
+        self.add(_ENGINES[kernel.engine], float(kernel.flops), float(kernel.nbytes), dtype, phase=labels.phase)
 
     def add(self, kind: int, flops: float, nbytes: float, dtype: int, *, phase: str) -> None:
         """Append one operation (``phase`` "optimizer" or anything else for forward/backward)."""
