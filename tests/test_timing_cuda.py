@@ -5,12 +5,14 @@ fused dropout, cuDNN RNNs) and never the CPU scratch work inside not_counted()."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 import memfit
@@ -70,6 +72,18 @@ def test_flash_attention_is_timed_as_the_flash_kernel_with_no_attention_matrix()
     assert sorted(f for f in flops if f) == sorted([forward, backward])
     scores = B * H * S * S * 2  # one bf16 (B, H, S, S) tensor: flash never makes one
     assert max(nbytes) < scores / 2
+
+
+def test_a_checkpointed_flash_attention_is_timed_twice_forward_and_once_backward() -> None:
+    class Checkpointed(Attention):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            attend = F.scaled_dot_product_attention
+            return checkpoint(attend, x * self.q, x * self.k, x * self.v, use_reentrant=False)
+
+    workload = dataclasses.replace(attention_workload(64), model=lambda: Checkpointed(64))
+    trace = trace_of(workload, memfit.Settings(micro_batch_size=B, precision="bf16"), A100)
+    forward, backward = sdpa_shapes(64)
+    assert sum(trace.forward_backward[1]) == 2 * forward + backward  # the recompute runs the kernel again
 
 
 @pytest.mark.parametrize(

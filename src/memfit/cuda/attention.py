@@ -254,7 +254,8 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
-        query, key, value, bias, out = ctx.saved_tensors[:5]
+        saved = ctx.saved_tensors  # read once: checkpointing's saved tensors unpack only once
+        query, key, value, bias, out = saved[:5]
         needs = ctx.needs_input_grad
         temps: list[torch.Tensor] = []
         if call.backend in ("flash", "efficient"):
@@ -281,7 +282,7 @@ class _FusedAttention(torch.autograd.Function):
                 torch.empty(query.size(0), query.size(1), query.size(2), dtype=torch.float32, device=query.device)
             )
         if reporting():
-            lse = ctx.saved_tensors[5:6]  # flash, efficient: logsumexp; cudnn: its stats (or nothing)
+            lse = saved[5:6]  # flash, efficient: logsumexp; cudnn: its stats (or nothing)
             _report_backward(call, [grad_out, query, key, value, bias, out, *lse, *grads, grad_bias], temps)
         if has_values(grad_out):
             with not_counted():
