@@ -47,6 +47,7 @@ from memfit.estimator.timing import (
     MEMORY_EFFICIENCY,
     OpTrace,
 )
+from memfit.memory.gpus import lookup
 from memfit.workload import Workload
 
 COMMAND = "python bench/predicted_speed.py"
@@ -236,15 +237,17 @@ class Result:
 
 
 def run_rows(rows: list[Row]) -> list[Result]:
-    traces: dict[tuple[str, memfit.Settings], OpTrace] = {}
+    traces: dict[tuple[str, memfit.Settings, tuple[int, int]], OpTrace] = {}
     workloads: dict[str, Workload] = {}
     results = []
     for row in rows:
         wl = workloads.setdefault(row.workload, WORKLOADS[row.workload]())
-        key = (row.workload, row.settings.replace(accumulation_steps=1))
+        card = lookup(row.gpu)
+        # the step follows the card's CUDA semantics: its capability decides the kernels
+        key = (row.workload, row.settings.replace(accumulation_steps=1), card.compute_capability)
         if key not in traces:
             # foreach=False: these sources' optimizers ran their per-parameter loops
-            traces[key] = record_step(wl, row.settings, foreach=False)
+            traces[key] = record_step(wl, row.settings, foreach=False, gpu=card)
         predicted = step_time(
             wl, row.settings, row.gpu, tf32_matmul=row.tf32_matmul, tf32_conv=row.tf32_conv, trace=traces[key]
         )
@@ -331,7 +334,9 @@ def report(results: list[Result], seconds: float) -> str:
         "config with random weights; its batch, precision, accumulation, checkpointing and optimizer) "
         "and predicts its samples/s with `memfit.estimator.speed.step_time` on the card of the table "
         "(`memfit/memory/gpus.py`: published dense peaks and memory bandwidth). The model "
-        "(`memfit/estimator/timing.py`): each ATen operation of one fake step timed by a roofline at "
+        "(`memfit/estimator/timing.py`): each ATen operation of one fake step, run with the card's CUDA "
+        "semantics (where CUDA runs a fused kernel, such as dropout or attention, that kernel is counted, "
+        "not the CPU's emulation of it), timed by a roofline at "
         f"{COMPUTE_EFFICIENCY:.1%} of the dtype's peak (median of the NVIDIA rows of Bekman's Maximum "
         f"Achievable Matmul FLOPS table) and {MEMORY_EFFICIENCY:.1%} of the bandwidth (V100, Jia et al. "
         f"2018), {KERNEL_GAP_SECONDS * 1e6:.1f} us between kernels (NVIDIA, CUDA Graphs), "

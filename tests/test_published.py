@@ -58,16 +58,38 @@ def _row(published: ModuleType, key: str) -> Any:
 
 @pytest.mark.parametrize("key", ROW_KEYS)
 def test_every_rows_workload_runs_its_fake_step_at_a_small_size(published: ModuleType, key: str) -> None:
-    # The same model code, optimizer, loop order and dtypes as the published size. A model
-    # factory that moves to bf16 (the bf16-true rows) waits for issue 13's item 7.
+    # The same model code, optimizer, loop order and dtypes as the published size (the bf16-true
+    # rows' factory moves the model to bf16: issue 13's item 7).
     row = _row(published, key)
     workload = row.tiny_workload()
     if row.options.get("bf16_true"):
         assert next(workload.build_model().parameters()).dtype == torch.bfloat16
-        return
     est = estimate(workload, 2, row.settings, gpu=row.gpu_table, cuda_version=row.cuda, search=False)
     assert 0 < est.peak_allocated <= est.peak_reserved
     assert est.breakdown["optimizer state"] > 0 and est.breakdown["cuda context"] > 0
+
+
+def test_the_bert_rows_softmax_keeps_its_input_as_torch_1_10_did(published: ModuleType) -> None:
+    scores = torch.randn(2, 3, 8, 8, requires_grad=True)
+    probs = published._SoftmaxKeepingInput.apply(scores, -1)
+    assert torch.equal(probs, torch.softmax(scores, -1))
+    kept_input, kept_output = probs.grad_fn.saved_tensors
+    assert torch.equal(kept_input, scores) and torch.equal(kept_output, probs)
+    grad = torch.randn_like(probs)
+    (ours,) = torch.autograd.grad(probs, scores, grad)
+    (torchs,) = torch.autograd.grad(torch.softmax(scores, -1), scores, grad)
+    assert torch.allclose(ours, torchs)
+
+
+def test_the_bert_workload_holds_one_fp32_score_tensor_a_layer_more_than_the_installed_torch(
+    published: ModuleType,
+) -> None:
+    tiny = published._TINY["BERT"]
+    layers, heads, seq, batch = tiny["layers"], tiny["heads"], tiny["seq_len"], 2
+    as_measured = estimate(published.bert_large(**tiny), batch, memory="1GiB", search=False)
+    installed = estimate(published.bert_large(**tiny, attention="eager"), batch, memory="1GiB", search=False)
+    scores = batch * heads * seq * seq * 4  # one fp32 (batch, heads, seq, seq) tensor
+    assert as_measured.breakdown["activations"] - installed.breakdown["activations"] == layers * scores
 
 
 def test_the_trainers_zero_grad_of_2022_keeps_gradients_through_the_next_forward(published: ModuleType) -> None:
