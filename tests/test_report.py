@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from memfit._html import html_table, is_byte_key, to_html
 from memfit._io import write_atomically
 from memfit._plot import png_bytes
+from memfit.errors import MemfitError
 from memfit.monitor.findings import MemoryFinding
 from memfit.monitor.monitor import Monitor
 from memfit.monitor.runfile import read_run
@@ -466,8 +467,8 @@ def test_a_run_without_steps_renders_without_findings(tmp_path, run_cli):
     "run_text, probe_text, message",
     [
         ('{"kind": "step"}\n', None, "not a memfit monitor run"),
-        (None, "{not json", "the probe file .* is not JSON"),
-        (None, "[1, 2]", "the probe result must be a JSON object"),
+        (None, "{not json", "the probe file .* is not valid JSON"),
+        (None, "[1, 2]", "the probe file .* must be a JSON object"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, leaking_run, run_cli, run_text, probe_text, message):
@@ -492,11 +493,25 @@ def test_missing_run_file_is_a_usage_error(tmp_path, run_cli):
 
 
 def test_write_report_takes_result_objects(tmp_path, leaking_run):
-    measurement = Measurement(batch_size=8, fits=True, peak_allocated=MiB, peak_reserved=2 * MiB, seconds_per_step=0.1)
-    files = write_report(leaking_run, tmp_path / "r.html", plan=measurement)
+    import memfit
+
+    probed = memfit.probe("mlp:layers=1,width=8,features=8", "sim:4MiB", max_batch_size=4, guess=4)
+    files = write_report(leaking_run, tmp_path / "r.html", probe=probed)
     run = read_run(leaking_run)
     assert files.png.read_bytes() == timeline_png(run.header, run.records, run.findings())
-    assert '<th>peak_reserved</th><td title="2097152 bytes">2.00 MiB</td>' in files.html.read_text()
+    assert "<th>max_batch_size</th><td>4</td>" in files.html.read_text()
+
+
+def test_a_foreign_result_is_refused_before_anything_is_written(tmp_path, leaking_run):
+    """A measurement handed over as a plan (issue 14, item 13) is not a plan: refused, nothing written."""
+    measurement = Measurement(batch_size=8, fits=True, peak_allocated=MiB, peak_reserved=2 * MiB, seconds_per_step=0.1)
+    with pytest.raises(MemfitError, match=r"the plan result is not a `memfit plan --json` result \(no 'workload'\)"):
+        write_report(leaking_run, tmp_path / "r.html", plan=measurement)
+    probe_file = tmp_path / "probe.json"
+    probe_file.write_text(json.dumps(PLAN))  # a plan given as --probe
+    with pytest.raises(MemfitError, match=r"not a `memfit probe --json` result \(no 'max_batch_size'\)"):
+        write_report(leaking_run, tmp_path / "r.html", probe=probe_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.json"]
 
 
 def test_monitor_writes_its_own_report(tmp_path):

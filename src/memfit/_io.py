@@ -30,8 +30,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
-__all__ = ["write_atomically", "new_file_mode", "signals_held"]
+from memfit.errors import MemfitError
+
+__all__ = ["write_atomically", "new_file_mode", "signals_held", "check_writable", "check_writable_folder"]
 
 #: the signals that end a program politely; both must not cut a write in half
 _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -44,6 +47,17 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
+def _deliver(signum: int, handler: Any) -> None:
+    """Run what ``handler`` (a ``signal.signal`` value) does for ``signum``, outside any hold."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        # the default action (end the process): let the operating system take it
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+    # SIG_IGN (or None: a handler set outside Python) ignores it
+
+
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then deliver them in arrival order.
@@ -51,23 +65,34 @@ def signals_held() -> Iterator[None]:
     Why: an interrupt between creating the temp file and renaming it would leave the temp
     file behind. Only the main thread can change signal handlers; elsewhere the block
     runs as it is (a signal is delivered to the main thread anyway).
+
+    Why ``hold`` forwards once the block is over: restoring two handlers is two calls, and
+    a signal between them must still reach the program's own handler, not vanish.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    arrived: list[signal.Signals] = []
+    arrived: list[int] = []
+    previous: dict[int, Any] = {}
+    holding = True
 
     def hold(signum: int, _frame: FrameType | None) -> None:
-        arrived.append(signal.Signals(signum))
+        if holding:
+            arrived.append(signum)
+        else:
+            _deliver(signum, previous.get(signum, signal.SIG_DFL))
 
-    previous = {sig: signal.signal(sig, hold) for sig in _HELD_SIGNALS}
     try:
+        for sig in _HELD_SIGNALS:
+            if signal.getsignal(sig) is not None:  # None: a handler set outside Python, left alone
+                previous[sig] = signal.signal(sig, hold)
         yield
     finally:
+        holding = False
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for sig in arrived:
-            signal.raise_signal(sig)
+        for signum in arrived:
+            _deliver(signum, previous[signum])
 
 
 def _fsync_directory(folder: Path) -> None:
@@ -114,3 +139,72 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, encodin
             raise
         _fsync_directory(target.parent)
     return target
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` itself when it exists, else its closest existing ancestor."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(".")
+
+
+def _check_folder_writable(folder: Path, shown: str, what: str) -> None:
+    """Refuse when files cannot be created in ``folder`` or in the folders it would need.
+
+    Why a real probe (a temp file created and removed) rather than ``os.access``: root
+    passes every permission check, yet cannot write to a read-only file system or /proc.
+    """
+    existing = _nearest_existing(folder)
+    if not existing.is_dir():
+        raise MemfitError(f"{what} {shown}: {existing} is not a folder")
+    try:
+        with signals_held():
+            fd, temp = tempfile.mkstemp(dir=existing, prefix=".memfit-probe.", suffix=".tmp")
+            os.close(fd)
+            os.unlink(temp)
+    except OSError as error:
+        raise MemfitError(f"{what} {shown}: cannot write in {existing} ({error.strerror or error})") from None
+
+
+def check_writable(path: str | os.PathLike[str], what: str = "output file") -> Path:
+    """Refuse, with one line, an output file that :func:`write_atomically` could not write.
+
+    Call it before the long work, so a typo in an output path costs seconds, not the
+    whole search. Nothing is left behind: no folder is created, the probe file is removed.
+
+    Args:
+        path: the file memfit will write.
+        what: how the message names it (such as ``"--plot"``).
+
+    >>> import tempfile, pathlib
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> check_writable(folder / "new" / "plot.png") == folder / "new" / "plot.png"
+    True
+    >>> check_writable(folder)
+    Traceback (most recent call last):
+    memfit.errors.MemfitError: output file ...: it is a folder, not a file
+    """
+    target = Path(path)
+    shown = str(target)
+    if target.is_dir():
+        raise MemfitError(f"{what} {shown}: it is a folder, not a file")
+    if target.exists() and not target.is_file():
+        # a device or a pipe: replacing it (as root, /dev/null) would be a disaster
+        raise MemfitError(f"{what} {shown}: not a regular file")
+    _check_folder_writable(target.parent, shown, what)
+    return target
+
+
+def check_writable_folder(path: str | os.PathLike[str], what: str = "output folder") -> Path:
+    """Refuse, with one line, a folder memfit could not create or write files in.
+
+    Args:
+        path: the folder memfit will write files into (created when missing).
+        what: how the message names it (such as ``"--report-dir"``).
+    """
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise MemfitError(f"{what} {folder}: it is a file, not a folder")
+    _check_folder_writable(folder, str(folder), what)
+    return folder

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit._html import HtmlRepr
-from memfit._io import write_atomically
+from memfit._io import check_writable_folder, write_atomically
+from memfit._read import load_json
 from memfit.environment import system
 from memfit.environment.system import SystemProbe
 from memfit.environment.versions import format_cudnn_version, version_tuple
@@ -246,18 +247,7 @@ def compare(old: Fingerprint, new: Fingerprint) -> list[Difference]:
 
 def load_fingerprint(path: str | os.PathLike[str]) -> Fingerprint:
     """Read environment.json; unreadable, corrupt or foreign files raise a one-line MemfitError."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise MemfitError(f"cannot read {path}: {error.strerror or error}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise MemfitError(
-            f"{path} is not valid JSON (line {error.lineno}, column {error.colno}); "
-            "expected a file written by memfit env export"
-        ) from None
+    data = load_json(path, "environment file", hint="expected a file written by memfit env export")
     return Fingerprint.from_dict(data, source=str(path))
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from memfit._read import MAX_DEPTH, nesting_depth, read_text
 from memfit.errors import MemfitError
 from memfit.monitor.findings import DEFAULT_WINDOW, MemoryFinding, analyze_steps
 
@@ -65,6 +66,41 @@ class RecordedRun:
         return summarize(self.header, self.records)
 
 
+#: fields of a step record that hold whole numbers (bytes or counts), when present
+_INT_FIELDS = ("peak_allocated", "reserved", "peak_reserved", "unallocated", "num_alloc_retries", "num_ooms")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _record_problem(item: Mapping[str, Any]) -> str | None:
+    """Why a JSON object is not a step record the findings and the timeline can read (None: it is)."""
+    if item.get("kind") != "step":
+        return f"kind {item.get('kind')!r}"
+    for name in ("step", "allocated"):
+        if not _is_int(item.get(name)):
+            return f"{name} must be a whole number"
+    for name in _INT_FIELDS:
+        if name in item and not _is_int(item[name]):
+            return f"{name} must be a whole number"
+    if "seconds" in item and (isinstance(item["seconds"], bool) or not isinstance(item["seconds"], (int, float))):
+        return "seconds must be a number"
+    if "labels" in item and not isinstance(item["labels"], Mapping):
+        return "labels must be an object"
+    return None
+
+
+def _header_problem(header: Mapping[str, Any]) -> str | None:
+    """Why a header cannot be used (None: it can)."""
+    if header.get("capacity") is not None and not _is_int(header["capacity"]):
+        return "capacity must be a whole number"
+    window = header.get("window")
+    if window is not None and (not _is_int(window) or window < 3):
+        return "window must be a whole number of at least 3"
+    return None
+
+
 def read_run(path: str | os.PathLike[str]) -> RecordedRun:
     """Read a monitor's JSON lines file; raise MemfitError naming the first bad line.
 
@@ -72,10 +108,7 @@ def read_run(path: str | os.PathLike[str]) -> RecordedRun:
     that crashed is the one most worth reading.
     """
     source = Path(path)
-    try:
-        lines = source.read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise MemfitError(f"cannot read {source}: {error.strerror or error}") from None
+    lines = read_text(source, "monitor run").splitlines()
     header: dict[str, Any] | None = None
     records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, start=1):
@@ -87,19 +120,23 @@ def read_run(path: str | os.PathLike[str]) -> RecordedRun:
             if number == len(lines) and header is not None:
                 break  # the last line was cut short by a crash
             raise MemfitError(f"{source}:{number}: not a memfit monitor record (not JSON)") from None
+        except RecursionError:
+            raise MemfitError(f"{source}:{number}: not a memfit monitor record (nested too deeply)") from None
+        if nesting_depth(item) > MAX_DEPTH:
+            raise MemfitError(f"{source}:{number}: not a memfit monitor record (nested too deeply)")
         if not isinstance(item, dict):
             raise MemfitError(f"{source}:{number}: not a memfit monitor record")
         if header is None:
             if item.get("kind") != "header":
                 raise MemfitError(f"{source}: not a memfit monitor run (the first line is not its header)")
+            problem = _header_problem(item)
+            if problem:
+                raise MemfitError(f"{source}:{number}: a damaged memfit monitor header ({problem})")
             header = item
             continue
-        if (
-            item.get("kind") != "step"
-            or not isinstance(item.get("step"), int)
-            or not isinstance(item.get("allocated"), int)
-        ):
-            raise MemfitError(f"{source}:{number}: not a memfit monitor step record")
+        problem = _record_problem(item)
+        if problem:
+            raise MemfitError(f"{source}:{number}: not a memfit monitor step record ({problem})")
         records.append(item)
     if header is None:
         raise MemfitError(f"{source}: empty, not a memfit monitor run")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from memfit._html import html_table, to_html
-from memfit._io import write_atomically
+from memfit._io import check_writable, write_atomically
 from memfit._plot import png_data_uri
+from memfit._read import load_json
 from memfit.errors import MemfitError
 from memfit.monitor.findings import MemoryFinding, findings_html
 from memfit.monitor.monitor import Monitor
@@ -172,6 +172,9 @@ def write_results_report(
 ) -> Path:
     """A report of results without a monitored run (what ``memfit fit`` writes): the HTML
     page, and each figure also as a PNG beside it (``report-probe.png``, ...)."""
+    html_path = check_writable(output, "report")
+    for name in ("probe", "estimate", "plan"):
+        check_writable(html_path.with_name(f"{html_path.stem}-{name}.png"), "report figure")
     figures: dict[str, bytes] = {}
     body = results_html(doctor=doctor, probe=probe, estimate=estimate, plan=plan, figures=figures)
     page = "\n".join(
@@ -185,7 +188,6 @@ def write_results_report(
             "</body></html>\n",
         ]
     )
-    html_path = Path(output)
     for name, png in figures.items():
         write_atomically(html_path.with_name(f"{html_path.stem}-{name}.png"), png)
     write_atomically(html_path, page.encode("utf-8"))
@@ -207,18 +209,105 @@ class ReportFiles:
         return {"html": str(self.html), "png": str(self.png), "findings": [f.to_dict() for f in self.findings]}
 
 
+#: what each result must hold to be one (``memfit X --json`` writes these keys), as
+#: key -> kind: "int" a whole number, "number" an int or float, "object" a JSON object,
+#: "rows" a list of objects, "str" a string; "?" after a kind allows null, before it allows the key missing
+RESULT_SCHEMAS: dict[str, dict[str, str]] = {
+    "probe": {
+        "max_batch_size": "int",
+        "recommended_batch_size": "int",
+        "trials": "rows",
+        "?capacity": "int?",
+    },
+    "estimate": {
+        "batch_size": "int",
+        "peak_allocated": "int",
+        "?peak_reserved": "int",
+        "total": "int",
+        "breakdown": "object",
+        "?memory": "int?",
+    },
+    "plan": {
+        "workload": "str",
+        "candidates": "rows",
+        "?target_batch_size": "int",
+        "?pareto": "rows",
+        "?recommended": "object?",
+        "?capacity": "int?",
+    },
+}
+#: what each row (a probe trial, a plan candidate) holds, by the same rules
+ROW_SCHEMAS: dict[str, dict[str, str]] = {
+    "trials": {"batch_size": "int", "?peak_allocated": "int?", "?peak_reserved": "int?", "?samples_per_second": "number?"},
+    "candidates": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
+    "pareto": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
+    "recommended": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
+}
+_KIND_NAMES = {
+    "int": "a whole number",
+    "number": "a number",
+    "object": "an object",
+    "rows": "a list of objects",
+    "str": "a string",
+}
+
+
+def _kind_ok(value: Any, kind: str) -> bool:
+    if kind.endswith("?"):
+        return value is None or _kind_ok(value, kind[:-1])
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "object":
+        return isinstance(value, Mapping)
+    if kind == "str":
+        return isinstance(value, str)
+    return isinstance(value, list) and all(isinstance(row, Mapping) for row in value)  # "rows"
+
+
+def _fields_problem(data: Mapping[str, Any], schema: Mapping[str, str]) -> str | None:
+    for spec, kind in schema.items():
+        key = spec.lstrip("?")
+        if key not in data:
+            if spec.startswith("?"):
+                continue
+            return f"no {key!r}"
+        if not _kind_ok(data[key], kind):
+            return f"{key!r} is not {_KIND_NAMES[kind.rstrip('?')]}"
+    return None
+
+
+def _schema_problem(data: Mapping[str, Any], what: str) -> str | None:
+    """Why ``data`` is not a ``memfit {what} --json`` result (None: it is one)."""
+    problem = _fields_problem(data, RESULT_SCHEMAS.get(what, {}))
+    if problem:
+        return problem
+    for key, schema in ROW_SCHEMAS.items():
+        known = {spec.lstrip("?") for spec in RESULT_SCHEMAS.get(what, {})}
+        value = data.get(key) if key in known else None
+        rows = value if isinstance(value, list) else [value] if isinstance(value, Mapping) else []
+        for index, row in enumerate(rows):
+            problem = _fields_problem(row, schema)
+            if problem:
+                return f"{key}[{index}]: {problem}" if isinstance(value, list) else f"{key}: {problem}"
+    return None
+
+
 def load_result(source: Mapping[str, Any] | str | os.PathLike[str] | Any, what: str) -> dict[str, Any]:
-    """A probe/estimate/plan result as a dict: given as a dict, a result object, or a JSON file."""
+    """A probe/estimate/plan result as a dict: given as a dict, a result object, or a JSON file.
+
+    A file or dict that is not that command's result (another command's, or anything
+    else) is refused with one line, before any page is drawn.
+
+    Args:
+        source: the result object, its ``to_dict()``, or a ``memfit {what} --json`` file.
+        what: ``"probe"``, ``"estimate"`` or ``"plan"``.
+    """
+    where = f"the {what} result"
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except OSError as error:
-            raise MemfitError(f"cannot read the {what} file {path}: {error.strerror or error}") from None
-        except json.JSONDecodeError as error:
-            raise MemfitError(
-                f"the {what} file {path} is not JSON (line {error.lineno}): write it with `memfit {what} --json`"
-            ) from None
+        where = f"the {what} file {source}"
+        data = load_json(source, f"{what} file", hint=f"write it with `memfit {what} --json`", where=where)
     else:
         data = (
             source.to_dict()
@@ -228,7 +317,10 @@ def load_result(source: Mapping[str, Any] | str | os.PathLike[str] | Any, what: 
             else source
         )
     if not isinstance(data, Mapping):
-        raise MemfitError(f"the {what} result must be a JSON object, as `memfit {what} --json` writes")
+        raise MemfitError(f"{where} must be a JSON object, as `memfit {what} --json` writes")
+    problem = _schema_problem(data, what)
+    if problem:
+        raise MemfitError(f"{where} is not a `memfit {what} --json` result ({problem})")
     return dict(data)
 
 
@@ -260,6 +352,8 @@ def write_report(
         plan: a plan result, likewise.
         title: the page's title.
     """
+    html_path = check_writable(output, "report")
+    png_path = check_writable(timeline_path(html_path), "report figure")
     if isinstance(run, Monitor):
         recorded = run.recorded()
     elif isinstance(run, RecordedRun):
@@ -274,8 +368,6 @@ def write_report(
     findings = recorded.findings()
     timeline = timeline_png(recorded.header, recorded.records, findings)
     page = report_html(recorded, timeline, findings, title=title, **results)
-    html_path = Path(output)
-    png_path = timeline_path(html_path)
     write_atomically(png_path, timeline)
     write_atomically(html_path, page.encode("utf-8"))
     return ReportFiles(html=html_path, png=png_path, findings=findings)

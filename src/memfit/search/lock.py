@@ -41,6 +41,7 @@ from pathlib import Path
 import tomli_w
 
 from memfit._io import write_atomically
+from memfit._read import MAX_RESULT_BYTES, read_text
 from memfit._version import __version__
 from memfit.environment.envfile import EnvironmentCheck, Fingerprint, compare, fingerprint
 from memfit.errors import MemfitError
@@ -134,14 +135,18 @@ def write_lock(lock: Lock, path: str | os.PathLike[str] = "memfit.lock") -> Path
 def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:
     """Read a lock; a missing, corrupt, foreign or newer-schema file is a one-line MemfitError."""
     path = Path(path)
+    if not path.exists():
+        raise MemfitError(f"{path} not found: write one with `memfit fit`")
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise MemfitError(f"{path} not found: write one with `memfit fit`") from None
-    except OSError as error:
-        raise MemfitError(f"cannot read {path}: {error.strerror or error}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        text = read_text(path, "file", MAX_RESULT_BYTES)  # a folder, a device, a binary file
+    except MemfitError as error:
+        raise MemfitError(f"{path} is not a valid memfit.lock: {error}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
         raise MemfitError(f"{path} is not a valid memfit.lock (TOML error: {str(error).splitlines()[0]})") from None
+    except RecursionError:
+        raise MemfitError(f"{path} is not a valid memfit.lock (nested too deeply)") from None
     if data.get("schema") != SCHEMA:
         raise MemfitError(f'{path} is not a memfit.lock (no schema = "{SCHEMA}")')
     version = data.get("schema_version")
