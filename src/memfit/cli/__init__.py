@@ -4,21 +4,40 @@ Every command lives in its own module of this package (``memfit probe`` in
 ``cli/probe.py``), which defines ``command``. ``COMMANDS`` names them explicitly, so a
 helper module here (``options.py``) never becomes a command by accident, and a command's
 module (and torch with it) is imported only when that command runs.
-Every command takes ``--json``. A user error (a :class:`MemfitError` or a bad option)
-prints one line ``memfit: error: ...`` and exits with status 2.
+Every command takes ``--json``; stdout carries memfit's result alone (what the workload
+prints goes to stderr). Exit status:
+
+- 0: done (``doctor``, ``check`` and ``env check``: 1 when they found what matters);
+- 2: a user error (a :class:`MemfitError`, a bad option, a file that cannot be read or
+  written, a rank that did not answer): one line ``memfit: error: ...``, no traceback;
+- 1: an exception raised by the workload's own code: one line naming the workload
+  function, then its traceback (that is where the bug is); or a bug in memfit;
+- 130 after SIGINT (Ctrl-C), 143 after SIGTERM: ``memfit: aborted``; every file memfit
+  writes is whole or absent, never half-written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import signal
 import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from types import FrameType
 
 import click
 
 from memfit._version import __version__
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, workload_code_of
 
-__all__ = ["main", "cli", "COMMANDS", "entry_point"]
+__all__ = ["main", "cli", "COMMANDS", "entry_point", "Terminated", "EXIT_SIGINT", "EXIT_SIGTERM"]
+
+#: exit statuses after an interrupt: 128 + the signal's number, as a shell reports it
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
 
 #: command name -> module that defines ``command``
 COMMANDS: dict[str, str] = {
@@ -47,7 +66,9 @@ class _LazyGroup(click.Group):
         module = COMMANDS.get(cmd_name)
         if module is None:
             return None
-        return importlib.import_module(module).command
+        from memfit.cli.options import route_output
+
+        return route_output(importlib.import_module(module).command)
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -57,17 +78,56 @@ def cli() -> None:
     and lock the memory of PyTorch training."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit status instead of raising SystemExit."""
+class Terminated(BaseException):
+    """SIGTERM arrived: end the command as Ctrl-C would (``finally`` blocks run, files stay whole).
+
+    A BaseException, like KeyboardInterrupt, so no ``except Exception`` swallows it.
+    """
+
+
+@contextlib.contextmanager
+def sigterm_ends_like_sigint() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` (only the main thread has signals)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        result = cli.main(args=argv, prog_name="memfit", standalone_mode=False)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: list[str] | None = None, within: Callable[[], AbstractContextManager[object]] | None = None) -> int:
+    """Run the command line; return the exit status instead of raising SystemExit.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        within: a context the command runs inside (torchrun's process group), so that
+            its errors and interrupts end the same way as the command's.
+    """
+    try:
+        with sigterm_ends_like_sigint(), (within() if within is not None else contextlib.nullcontext()):
+            result = cli.main(args=argv, prog_name="memfit", standalone_mode=False)
     except MemfitError as error:
         return _user_error(str(error))
     except click.ClickException as error:
         return _user_error(error.format_message())
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("memfit: aborted", err=True)
-        return 130
+        return EXIT_SIGINT
+    except Terminated:
+        click.echo("memfit: aborted (SIGTERM)", err=True)
+        return EXIT_SIGTERM
+    except Exception as error:
+        where = workload_code_of(error)
+        if where is None:
+            raise  # a bug in memfit: the whole traceback
+        return _workload_code_error(error, where)
     return result if isinstance(result, int) else 0
 
 
@@ -75,6 +135,14 @@ def _user_error(message: str) -> int:
     first_line = " ".join(message.split())
     click.echo(f"memfit: error: {first_line}", err=True)
     return 2
+
+
+def _workload_code_error(error: Exception, where: str) -> int:
+    """One line naming the workload function that raised, then its traceback: exit status 1."""
+    summary = " ".join(str(error).split())
+    click.echo(f"memfit: error in {where}: {type(error).__name__}: {summary} (its traceback follows)", err=True)
+    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    return 1
 
 
 def entry_point() -> None:

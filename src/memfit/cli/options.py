@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+import sys
+from collections.abc import Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 import click
 from rich.console import Console
@@ -22,9 +25,57 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: tables and progress go to stderr when --json owns stdout
+#: results (tables) go to stdout; progress to stderr
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+
+#: where results go while a command runs (the stdout it started with), innermost last
+_results: list[IO[str]] = []
+
+
+def results_stream() -> IO[str]:
+    """The stream memfit's results go to: the command's own stdout, even while it is redirected."""
+    return _results[-1] if _results else sys.stdout
+
+
+@contextlib.contextmanager
+def results_alone_on_stdout() -> Iterator[None]:
+    """Keep stdout for memfit's results: anything else printed meanwhile goes to stderr.
+
+    Why: a workload prints (nanoGPT its parameter count, a training script its progress)
+    while memfit imports it, builds its model and runs its steps; with ``--json``, one such
+    line on stdout and the output no longer parses. Results (``print_json``, the tables of
+    ``console``) still go to the stdout the command started with.
+    """
+    stdout = sys.stdout
+    _results.append(stdout)
+    console.file = stdout
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _results.pop()
+        console.file = _results[-1] if _results else None  # type: ignore[assignment]  # None: follow sys.stdout
+
+
+def route_output(command: click.Command) -> click.Command:
+    """Run ``command`` (each subcommand of a group) with :func:`results_alone_on_stdout`; once."""
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            route_output(sub)
+        return command
+    callback = command.callback
+    if callback is None or getattr(callback, "__memfit_routed__", False):
+        return command
+
+    @functools.wraps(callback)
+    def routed(*args: Any, **kwargs: Any) -> Any:
+        with results_alone_on_stdout():
+            return callback(*args, **kwargs)
+
+    routed.__memfit_routed__ = True  # type: ignore[attr-defined]
+    command.callback = routed
+    return command
 
 
 def workload_argument(function: F) -> F:
@@ -110,7 +161,8 @@ def print_environment_check(result: EnvironmentCheck, as_json: bool) -> int:
 
 
 def print_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False))
+    """The result as JSON, alone on the command's stdout."""
+    click.echo(json.dumps(data, indent=2, sort_keys=False), file=results_stream())
 
 
 def choice_list(

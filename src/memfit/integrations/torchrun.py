@@ -14,7 +14,9 @@ gloo without), :func:`memfit.memory.devices.rank_device` picks ``cuda:LOCAL_RANK
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from memfit.cli import main as cli_main
 from memfit.distributed import launched_by_torchrun, output_on_main_only, process_group
@@ -50,8 +52,15 @@ def with_rank_device(argv: list[str], rank: int | None = None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Run a memfit command as one rank of a torchrun job (or alone, without torchrun)."""
     args = with_rank_device(sys.argv[1:] if argv is None else argv)
-    with process_group(), output_on_main_only():
-        return cli_main(args)
+
+    @contextlib.contextmanager
+    def as_one_rank() -> Iterator[None]:
+        with process_group(), output_on_main_only():
+            yield
+
+    # inside the command line's handling: a rank that does not answer, an interrupt during
+    # the process group's set-up or teardown end in one line too
+    return cli_main(args, within=as_one_rank)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,36 @@
 
 A reference is resolved once, where it enters memfit (a command, a public function); a
 Workload travels down from there.
+
+What goes wrong in the user's file is told apart from what goes wrong in their code:
+
+- a file that cannot be imported at all (a syntax error, null bytes, a module that is not
+  installed) is a :class:`~memfit.errors.WorkloadError`: one line, exit status 2;
+- an exception raised *by* their code (the file's own top level, the workload function,
+  the model factory, ``make_batch``, ``loss``, ``optimizer``) keeps its traceback, which
+  is where their bug is; memfit notes which function raised it
+  (:func:`memfit.errors.note_workload_code`) so the command line names it first.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from memfit.errors import WorkloadError
+from torch import nn
+
+from memfit.errors import WorkloadError, note_workload_code
 from memfit.workload import zoo
-from memfit.workload.spec import Workload
+from memfit.workload.spec import Workload, default_optimizer
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 __all__ = ["load_workload"]
 
@@ -62,6 +78,45 @@ def _resolve(ref: str) -> Workload:
     )
 
 
+def _import_problem(error: BaseException, shown: str, ref: str) -> WorkloadError | None:
+    """A one-line error for a module that cannot be imported at all, or None for an error of its code.
+
+    Why these: a syntax error, null bytes or a missing package are found before any of
+    the user's code runs; their traceback would only show memfit's import machinery.
+    """
+    if isinstance(error, SyntaxError):
+        place = f"{Path(error.filename).name if error.filename else shown}, line {error.lineno}" if error.lineno else shown
+        return WorkloadError(f"workload {ref!r}: {place}: {error.msg}")
+    if isinstance(error, ValueError) and "null bytes" in str(error):
+        return WorkloadError(f"workload {ref!r}: {shown} is not Python source (it contains null bytes)")
+    if isinstance(error, ModuleNotFoundError):
+        missing = error.name or str(error)
+        return WorkloadError(f"workload {ref!r}: {shown} imports {missing}, which is not installed here")
+    if isinstance(error, ImportError):
+        return WorkloadError(f"workload {ref!r}: {shown} cannot be imported: {error}")
+    return None
+
+
+@contextmanager
+def _importing(shown: str, ref: str, module_name: str = "") -> Iterator[None]:
+    """Turn an import that cannot happen into one line; note an error of the module's own code."""
+    try:
+        yield
+    except ModuleNotFoundError as error:
+        if module_name and error.name and module_name.startswith(error.name):
+            raise WorkloadError(f"workload {ref!r}: module {module_name} not found") from None
+        raise _import_problem(error, shown, ref) or error from None
+    except (SyntaxError, ValueError, ImportError) as error:
+        problem = _import_problem(error, shown, ref)
+        if problem is None:
+            note_workload_code(error, f"the top level of {shown} ({ref})")
+            raise
+        raise problem from None
+    except Exception as error:
+        note_workload_code(error, f"the top level of {shown} ({ref})")
+        raise
+
+
 def _from_file(path_text: str, function: str, ref: str) -> Workload:
     path = Path(path_text)
     if not function:
@@ -74,18 +129,49 @@ def _from_file(path_text: str, function: str, ref: str) -> Workload:
         raise WorkloadError(f"workload {ref!r}: cannot import {path_text}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
-    spec.loader.exec_module(module)  # errors in the user's file propagate unchanged
+    try:
+        with _importing(path_text, ref):
+            spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
     return _call_factory(module, function, ref)
 
 
 def _from_module(module_name: str, function: str, ref: str) -> Workload:
-    try:
+    with _importing(module_name, ref, module_name):
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name and module_name.startswith(error.name):
-            raise WorkloadError(f"workload {ref!r}: module {module_name} not found") from None
-        raise
     return _call_factory(module, function, ref)
+
+
+def _attributed(function: F, where: str) -> F:
+    """``function``, noting on any exception it raises that it came from ``where``."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            note_workload_code(error, where)
+            raise
+
+    return call  # type: ignore[return-value]
+
+
+def attribute_workload_code(workload: Workload, ref: str) -> Workload:
+    """The same workload, its functions noting where an exception they raise came from.
+
+    Args:
+        workload: a workload made by the user's code.
+        ref: its reference, to name it in messages.
+    """
+    if not isinstance(workload.model, nn.Module):
+        workload.model = _attributed(workload.model, f"the model factory of {ref}")
+    workload.make_batch = _attributed(workload.make_batch, f"make_batch of {ref}")
+    workload.loss = _attributed(workload.loss, f"the loss of {ref}")
+    if workload.optimizer is not default_optimizer:
+        workload.optimizer = _attributed(workload.optimizer, f"the optimizer of {ref}")
+    return workload
 
 
 def _call_factory(module: Any, function: str, ref: str) -> Workload:
@@ -94,18 +180,22 @@ def _call_factory(module: Any, function: str, ref: str) -> Workload:
         raise WorkloadError(f"workload {ref!r}: function {function} not found in {module.__name__}")
     if not callable(factory):
         raise WorkloadError(f"workload {ref!r}: {function} is not a function")
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it and see
+        parameters = []  # type: ignore[assignment]
     required = [
         p.name
-        for p in inspect.signature(factory).parameters.values()
+        for p in parameters
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     ]
     if required:
         raise WorkloadError(
             f"workload {ref!r}: {function} must take no required arguments (it needs {', '.join(required)})"
         )
-    workload = factory()
+    workload = _attributed(factory, f"the workload function {function} ({ref})")()
     if not isinstance(workload, Workload):
         raise WorkloadError(f"workload {ref!r}: {function} returned {type(workload).__name__}, not a memfit.Workload")
     if workload.name == "workload":
         workload.name = ref
-    return workload
+    return attribute_workload_code(workload, ref)

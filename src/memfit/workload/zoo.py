@@ -30,6 +30,11 @@ are true or false. Every transformers entry also accepts ``layers``, ``hidden``,
 ``intermediate`` as short names for its config's fields, and ``classes`` / ``vocab``.
 Batches are worst-case: every sequence at full length, every token a label.
 
+Options are checked before anything runs (a one-line :class:`WorkloadError`): each key
+once, sizes positive whole numbers, a value of the type its config field has, a config
+the model accepts (``n_embd`` divisible by ``n_head``), and a model whose parameters a
+process could hold at all (built on the meta device, which allocates nothing).
+
 >>> wl = build("mlp", "layers=2,width=64")
 >>> wl.info["layers"]
 2
@@ -38,7 +43,10 @@ Batches are worst-case: every sequence at full length, every token a label.
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable
+import contextlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +58,16 @@ from memfit.errors import WorkloadError
 from memfit.workload.gpt import GPT, GPTShape
 from memfit.workload.spec import Workload
 
-__all__ = ["ENTRIES", "DEFAULT_WORKLOAD", "TINY", "build", "parse_options", "names"]
+__all__ = [
+    "ENTRIES",
+    "DEFAULT_WORKLOAD",
+    "TINY",
+    "build",
+    "parse_options",
+    "names",
+    "check_buildable",
+    "MAX_ALLOCATION_BYTES",
+]
 
 #: what every command runs when no workload is given: a small pure-torch GPT (2 layers,
 #: width 128, 64 tokens, a 4096-token vocabulary), so it needs no optional dependency, and
@@ -60,7 +77,12 @@ DEFAULT_WORKLOAD = "gpt:layers=2,embd=128,heads=4,seq_len=64,vocab=4096"
 
 
 def parse_options(text: str) -> dict[str, Any]:
-    """Parse ``"n_layer=2,seq_len=128"`` into ``{"n_layer": 2, "seq_len": 128}``."""
+    """Parse ``"n_layer=2,seq_len=128"`` into ``{"n_layer": 2, "seq_len": 128}``.
+
+    >>> parse_options("layers=1,layers=2")
+    Traceback (most recent call last):
+    memfit.errors.WorkloadError: zoo option 'layers' given twice: give each option once
+    """
     options: dict[str, Any] = {}
     if not text.strip():
         return options
@@ -69,6 +91,10 @@ def parse_options(text: str) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise WorkloadError(f"bad zoo option {item.strip()!r}: write key=value, comma-separated")
+        if key in options:
+            raise WorkloadError(f"zoo option {key!r} given twice: give each option once")
+        if not value.strip():
+            raise WorkloadError(f"zoo option {key!r} has no value: write {key}=VALUE")
         options[key] = _parse_value(value.strip())
     return options
 
@@ -99,6 +125,120 @@ def _parse_value(value: str) -> Any:
         return ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return value
+
+
+def _first_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
+
+
+#: the most memory a model's parameters (or one sample) may ask for: 128 TiB, all the
+#: address space an x86-64 or arm64 process has (47 bits); past it no machine can allocate it
+MAX_ALLOCATION_BYTES = 2**47
+
+#: parts of config field names that hold a size (a count or a dimension)
+_SIZE_NAME = re.compile(r"^(n|num)_|_size$|_sizes$|_dim$|_heads$|_layers$|_embeddings$|_positions$|^n[A-Z_]|^depths$")
+
+
+def _is_size_name(field_name: str) -> bool:
+    """True for config fields that hold a size (``n_layer``, ``vocab_size``, ``head_dim``).
+
+    >>> [_is_size_name(n) for n in ("n_layer", "vocab_size", "hidden_sizes", "bos_token_id", "layer_norm_eps")]
+    [True, True, True, False, False]
+    """
+    return bool(_SIZE_NAME.search(field_name))
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_size(name: str, key: str, value: Any) -> None:
+    """A size option: a positive whole number (or a non-empty list of them)."""
+    values = value if isinstance(value, list) and value else [value]
+    if not all(_is_whole(v) and v >= 1 for v in values):
+        raise WorkloadError(f"zoo workload {name!r}: {key} must be a positive integer, not {value!r}")
+
+
+def _check_field(name: str, key: str, value: Any, default: Any, is_size: bool) -> None:
+    """A config option: a size is positive, and a value has the type of the field's default."""
+    if is_size and (_is_whole(default) or isinstance(default, list) or default is None) and value is not None:
+        if _is_whole(value) or isinstance(value, list) or default is not None:
+            _check_size(name, key, value)
+            return
+    expected: tuple[type, ...] | None = None
+    if isinstance(default, bool):
+        expected = (bool,)
+    elif _is_whole(default):
+        expected = (int,)
+    elif isinstance(default, float):
+        expected = (int, float)
+    elif isinstance(default, str):
+        expected = (str,)
+    elif isinstance(default, list):
+        expected = (list,)
+    wrong_bool = isinstance(value, bool) and expected is not None and bool not in expected
+    if expected is not None and (wrong_bool or not isinstance(value, expected)):
+        kind = {bool: "true or false", int: "an integer", str: "a string", list: "a list"}.get(expected[0], "a number")
+        if expected == (int, float):
+            kind = "a number"
+        raise WorkloadError(f"zoo workload {name!r}: {key} must be {kind}, not {value!r}")
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def check_buildable(workload: Workload, name: str) -> int:
+    """Build the model and a one-sample batch on the meta device (no memory); return the
+    parameter bytes.
+
+    Why: a config the model refuses (``n_embd`` not divisible by ``n_head``) or a size no
+    machine can allocate (``mlp:width=99999999999``) must be one line now, not a
+    traceback or an hour of swapping later. The zoo's code is memfit's, so what it raises
+    here is about the options, not a bug of the user's.
+
+    Args:
+        workload: a zoo workload.
+        name: its name, for messages.
+    """
+    try:
+        with _no_dispatch_modes(), torch.device("meta"):
+            nbytes = _parameter_bytes(workload.build_model())
+            sample = _tensor_bytes(workload.make_batch(1))
+    except (ValueError, RuntimeError, TypeError, AttributeError, AssertionError) as error:
+        raise WorkloadError(
+            f"zoo workload {name!r}: the model cannot be built with these options ({_first_line(error)})"
+        ) from None
+    for what, size in (("its parameters alone", nbytes), ("one sample of its batch", sample)):
+        if size > MAX_ALLOCATION_BYTES:
+            raise WorkloadError(
+                f"zoo workload {name!r}: {what} would take {size / 2**40:,.0f} TiB, more than any machine can "
+                f"allocate (a process can address at most {MAX_ALLOCATION_BYTES // 2**40} TiB)"
+            )
+    return nbytes
+
+
+@contextlib.contextmanager
+def _no_dispatch_modes() -> Iterator[None]:
+    """Leave any active dispatch mode (a simulated device's tracker) out of the meta build."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # pragma: no cover - torch without it
+        yield
+        return
+    with _disable_current_modes():
+        yield
 
 
 # -- pure torch models ------------------------------------------------------------------
@@ -241,24 +381,33 @@ class _HFEntry:
         transformers.logging.set_verbosity_error()  # config chatter is not the user's problem
         options = dict(options)
         shape_key = "image_size" if self.kind == "image" else "seq_len"
-        shape = int(options.pop(shape_key, self.shape_default))
+        shape = options.pop(shape_key, self.shape_default)
+        _check_size(name, shape_key, shape)
         config_cls = getattr(transformers, self.config)
         model_cls = getattr(transformers, self.model)
         fields = dict(self.defaults)
-        known = set(config_cls().to_dict()) | set(self.defaults)
+        config_defaults = {**config_cls().to_dict(), **self.defaults}
         for key, value in options.items():
             field_name = self.aliases.get(key, key)
-            if field_name not in known:
+            if field_name not in config_defaults:
                 raise WorkloadError(
                     f"unknown option {key!r} for zoo workload {name!r}: use {shape_key}, "
                     f"{', '.join(sorted(self.aliases))} or a {self.config} field"
                 )
+            _check_field(name, key, value, config_defaults[field_name], is_size=_is_size_name(field_name))
+            if field_name in fields and key != field_name and field_name in options:
+                raise WorkloadError(f"zoo workload {name!r}: {key} and {field_name} are one option: give it once")
             fields[field_name] = value
         if self.kind == "image":
             fields["image_size"] = shape
         else:
             fields.setdefault("use_cache", False)  # training keeps no KV cache
-        config = config_cls(**fields)
+        try:
+            config = config_cls(**fields)
+        except Exception as error:  # the config class's own validation: a value it refuses
+            raise WorkloadError(
+                f"zoo workload {name!r}: {self.config} refuses these options ({_first_line(error)})"
+            ) from None
         if self.kind != "image":
             limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
             if limit is not None and shape > limit:
@@ -498,30 +647,82 @@ def names() -> list[str]:
     return list(ENTRIES)
 
 
-def build(name: str, options_text: str = "") -> Workload:
-    """Build the zoo workload ``name`` with options such as ``"layers=2,seq_len=128"``.
+#: the option that repeats a block, per entry (the model's depth): the size check builds
+#: one and two blocks and extrapolates, rather than building thousands of them
+_REPEATED: dict[str, str] = {
+    "mlp": "layers",
+    "convnet": "blocks",
+    "gpt": "layers",
+    "gpt2": "n_layer",
+    "bert-base": "num_hidden_layers",
+    "vit-base": "num_hidden_layers",
+    "resnet50": "depths",
+    "llama-1b": "num_hidden_layers",
+    "llama-7b": "num_hidden_layers",
+}
 
-    Args:
-        name: a zoo name (:data:`ENTRIES`).
-        options_text: comma-separated ``key=value`` options, such as ``"layers=2,seq_len=128"``.
 
-    A transformers entry without transformers installed, an unknown name or a bad option
-    is refused with a one-line :class:`~memfit.errors.WorkloadError`.
-    """
-    options = parse_options(options_text)
+def _make(name: str, options: dict[str, Any]) -> Workload:
+    """The zoo workload ``name`` with parsed options, each option checked."""
     if name in _TORCH_ENTRIES:
         factory = _TORCH_ENTRIES[name]
-        import inspect
-
         allowed = inspect.signature(factory).parameters
         for key, value in options.items():
             if key not in allowed:
                 raise WorkloadError(f"unknown option {key!r} for zoo workload {name!r}: use {', '.join(allowed)}")
             _check_option(name, key, value, allowed[key].default)
-        workload = factory(**options)
-    elif name in _HF_ENTRIES:
-        workload = _HF_ENTRIES[name].build(options, name)
-    else:
-        raise WorkloadError(f"unknown zoo workload {name!r}: use one of {', '.join(ENTRIES)}")
+        return factory(**options)
+    if name in _HF_ENTRIES:
+        return _HF_ENTRIES[name].build(options, name)
+    raise WorkloadError(f"unknown zoo workload {name!r}: use one of {', '.join(ENTRIES)}")
+
+
+def _repeat_option(name: str, options: dict[str, Any]) -> tuple[str, Any] | None:
+    """(the key naming the depth in ``options``, its value), or None when left at its default."""
+    field_name = _REPEATED.get(name)
+    if field_name is None:
+        return None
+    aliases = _HF_ENTRIES[name].aliases if name in _HF_ENTRIES else {}
+    for key, value in options.items():
+        if aliases.get(key, key) == field_name:
+            return key, value
+    return None
+
+
+def _check_size_of(name: str, options: dict[str, Any], workload: Workload) -> None:
+    """Refuse a model no machine could hold, without building more than two of its blocks."""
+    given = _repeat_option(name, options)
+    depth = max(given[1]) if given is not None and isinstance(given[1], list) else given[1] if given else 0
+    if given is None or depth <= 2:
+        check_buildable(workload, name)
+        return
+    key, value = given
+
+    def with_depth(blocks: int) -> dict[str, Any]:
+        return {**options, key: [blocks] * len(value) if isinstance(value, list) else blocks}
+
+    one = check_buildable(_make(name, with_depth(1)), name)
+    two = check_buildable(_make(name, with_depth(2)), name)
+    nbytes = one + (depth - 1) * (two - one)  # every block alike: memory linear in the depth
+    if nbytes > MAX_ALLOCATION_BYTES:
+        raise WorkloadError(
+            f"zoo workload {name!r}: {key}={value} would make parameters of {nbytes / 2**40:,.0f} TiB, more than "
+            f"any machine can allocate (a process can address at most {MAX_ALLOCATION_BYTES // 2**40} TiB)"
+        )
+
+
+def build(name: str, options_text: str = "") -> Workload:
+    """Build the zoo workload ``name`` with options such as ``"layers=2,seq_len=128"``.
+
+    Args:
+        name: a zoo name (:data:`ENTRIES`).
+        options_text: comma-separated ``key=value`` options, each given once.
+
+    A transformers entry without transformers installed, an unknown name, a bad option or a
+    model no machine could hold is refused with a one-line :class:`~memfit.errors.WorkloadError`.
+    """
+    options = parse_options(options_text)
+    workload = _make(name, options)
+    _check_size_of(name, options, workload)
     workload.name = f"{name}:{options_text}" if options_text else name
     return workload
