@@ -509,9 +509,31 @@ CUDA_CONF, ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
         ),
     ],
 )
-def test_bad_allocator_settings_are_warned(environ, message, fix):
+def test_bad_allocator_settings_are_found(environ, message, fix):
+    """Settings torch refuses at CUDA's start are errors (exit 1, issue 14 item 13); the rest warnings."""
     finding = only(check_allocator(environ, "2.13.0+cu130", variable_shapes=False))
-    assert finding.severity == "warning" and message in finding.message and finding.fix == fix
+    refused = "torch refuses to start" in finding.message
+    assert finding.severity == ("error" if refused else "warning")
+    assert message in finding.message and finding.fix == fix
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "expandable_segment:True",
+        "zzz:1",
+        "expandable_segments",
+        "expandable_segments:yes",
+        "max_split_size_mb:16",
+        "garbage_collection_threshold:1.5",
+        "backend:magic",
+        "max_split_size_mb:lots",
+    ],
+)
+def test_allocator_settings_torch_refuses_are_errors_and_fail_doctor(value):
+    findings = check_allocator({CUDA_CONF: value}, "2.13.0+cu130", variable_shapes=False)
+    assert [f.severity for f in findings] == ["error"], findings
+    assert "torch refuses to start" in findings[0].message and findings[0].fix
 
 
 @pytest.mark.parametrize("version, warned", [("2.9.1+cu128", True), ("2.5.1+cu124", True), ("2.11.0+cu128", False)])

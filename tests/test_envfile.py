@@ -226,7 +226,7 @@ def test_export_without_conda_writes_python_and_a_pip_section(tmp_path):
 
 def test_export_into_a_file_is_a_user_error(tmp_path):
     (tmp_path / "f").write_text("x")
-    with pytest.raises(MemfitError, match="is not a directory"):
+    with pytest.raises(MemfitError, match="it is a file, not a folder"):
         export_environment(tmp_path / "f", RecordedProbe())
 
 

@@ -89,8 +89,8 @@ def signals_held() -> Iterator[None]:
         yield
     finally:
         holding = False
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for held, handler in previous.items():
+            signal.signal(held, handler)
         for signum in arrived:
             _deliver(signum, previous[signum])
 

@@ -18,6 +18,8 @@ can name that function in one line before the traceback.
 
 from __future__ import annotations
 
+import contextlib
+
 __all__ = [
     "MemfitError",
     "WorkloadError",
@@ -60,10 +62,8 @@ def note_workload_code(error: BaseException, where: str) -> None:
         where: the function, as people name it (``"the loss of train.py:make_workload"``).
     """
     if getattr(error, _WORKLOAD_CODE, None) is None:
-        try:
+        with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes
             setattr(error, _WORKLOAD_CODE, where)
-        except (AttributeError, TypeError):  # an exception type that takes no attributes
-            pass
 
 
 def workload_code_of(error: BaseException) -> str | None:

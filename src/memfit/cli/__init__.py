@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None, within: Callable[[], AbstractContextMana
             its errors and interrupts end the same way as the command's.
     """
     try:
-        with sigterm_ends_like_sigint(), (within() if within is not None else contextlib.nullcontext()):
+        with sigterm_ends_like_sigint(), within() if within is not None else contextlib.nullcontext():
             result = cli.main(args=argv, prog_name="memfit", standalone_mode=False)
     except MemfitError as error:
         return _user_error(str(error))

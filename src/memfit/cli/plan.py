@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, cast
 import click
 from rich.table import Table
 
+from memfit._io import check_writable
 from memfit.cli.options import (
     console,
     device_options,
@@ -75,6 +76,8 @@ def command(
 ) -> None:
     """Choose micro-batch, accumulation, precision and checkpointing that reach TARGET fastest."""
     check_target(target, world_size)  # before the workload is loaded
+    if plot:
+        check_writable(plot, "--plot")  # before the candidates run, not after them
     wl = load_workload(workload)
     gpu = device(device_spec, memory=memory)
 

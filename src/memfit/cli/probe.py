@@ -17,6 +17,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from memfit import distributed
+from memfit._io import check_writable
 from memfit.cli.options import (
     console,
     device_options,
@@ -96,6 +97,8 @@ def command(
     """
     if plot_path is not None and plot_path.suffix.lower() != ".png":
         raise MemfitError(f"--plot {plot_path}: the file name must end in .png")
+    if plot_path is not None:
+        check_writable(plot_path, "--plot")  # before the trials, not after them
     wl = load_workload(workload)
     settings = make_settings(precision, checkpointing)
     with process_group():

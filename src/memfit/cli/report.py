@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from memfit._io import check_writable
 from memfit.cli.options import console, json_option, print_json
 from memfit.monitor.runfile import read_run
 from memfit.reporting.pages import write_report
@@ -37,8 +38,9 @@ def command(
     """Render RUN.jsonl (written by memfit.Monitor(path=...)) as a report: the findings
     (leak, fragmentation, new-shape peak), a memory timeline PNG, and the probe, estimate
     and plan results when given. No network, no CDN: the images are embedded."""
-    recorded = read_run(run)
     target = output if output is not None else run.with_suffix(".html")
+    check_writable(target, "report")  # before reading and drawing
+    recorded = read_run(run)
     files = write_report(recorded, target, probe=probe, estimate=estimate, plan=plan)
     if as_json:
         print_json({**files.to_dict(), "summary": recorded.summary()})

@@ -549,7 +549,7 @@ def check_allocator(
             findings.append(
                 EnvironmentFinding(
                     "allocator",
-                    "warning",
+                    "error",
                     f"{name}: {entry!r} is not key:value; torch refuses to start",
                     f"fix or remove {entry!r} in {name}",
                 )
@@ -636,7 +636,7 @@ def _check_alloc_pair(name: str, key: str, value: str) -> list[EnvironmentFindin
         fix = f"replace {key} with {close[0]} in {name}" if close else f"remove {key} from {name}"
         return [
             EnvironmentFinding(
-                "allocator", "warning", f"{name}: unknown key {key!r}{hint}; torch refuses to start with it", fix
+                "allocator", "error", f"{name}: unknown key {key!r}{hint}; torch refuses to start with it", fix
             )
         ]
     problem = None
@@ -657,7 +657,17 @@ def _check_alloc_pair(name: str, key: str, value: str) -> list[EnvironmentFindin
         problem = "must be native or cudaMallocAsync"
     if problem is None:
         return []
-    return [EnvironmentFinding("allocator", "warning", f"{name}: {key}:{value} {problem}", f"fix {key} in {name}")]
+    # an error, not a warning: CUDA's allocator checks every value when it starts (TORCH_CHECK in
+    # pytorch's c10/core/AllocatorConfig.cpp and c10/cuda/CUDAAllocatorConfig.cpp) and the
+    # first CUDA tensor raises instead
+    return [
+        EnvironmentFinding(
+            "allocator",
+            "error",
+            f"{name}: {key}:{value} {problem}; torch refuses to start with it",
+            f"fix {key} in {name}",
+        )
+    ]
 
 
 def dataloader_shm_need(hints: TrainingHints) -> int | None:

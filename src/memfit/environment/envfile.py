@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit._html import HtmlRepr
-from memfit._io import check_writable_folder, write_atomically
+from memfit._io import check_writable, check_writable_folder, write_atomically
 from memfit._read import load_json
 from memfit.environment import system
 from memfit.environment.system import SystemProbe
@@ -433,10 +433,10 @@ def export_environment(
         probe: where the machine's facts come from (default: the live machine).
         dists: the installed distributions to list (default: this environment's).
     """
+    target = check_writable_folder(directory, "env export -o")  # before pip and conda are asked
+    for filename in FILES:
+        check_writable(target / filename, "env export -o")
     probe = probe or system.current_probe()
-    target = Path(directory)
-    if target.exists() and not target.is_dir():
-        raise MemfitError(f"{target} is not a directory")
     dists = installed_distributions() if dists is None else dists
     python = probe.python()
     conda_export = probe.conda_export()

@@ -238,7 +238,12 @@ RESULT_SCHEMAS: dict[str, dict[str, str]] = {
 }
 #: what each row (a probe trial, a plan candidate) holds, by the same rules
 ROW_SCHEMAS: dict[str, dict[str, str]] = {
-    "trials": {"batch_size": "int", "?peak_allocated": "int?", "?peak_reserved": "int?", "?samples_per_second": "number?"},
+    "trials": {
+        "batch_size": "int",
+        "?peak_allocated": "int?",
+        "?peak_reserved": "int?",
+        "?samples_per_second": "number?",
+    },
     "candidates": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
     "pareto": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
     "recommended": {"?peak_reserved": "int?", "?samples_per_second": "number?"},

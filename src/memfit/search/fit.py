@@ -112,6 +112,17 @@ class FitResult:
         return lines
 
 
+def _check_outputs(lock_path: str | os.PathLike[str], report_dir: str | os.PathLike[str] | None) -> None:
+    """Refuse a lock or report path that cannot be written, before any trial."""
+    from memfit._io import check_writable, check_writable_folder
+
+    check_writable(lock_path, "lock")
+    if report_dir is not None:
+        folder = check_writable_folder(report_dir, "report folder")
+        for name in ("report.html", "report-probe.png", "report-estimate.png", "report-plan.png"):
+            check_writable(folder / name, "report folder")
+
+
 def fit(
     workload: Workload | str,
     device: Device | str = "auto",
@@ -158,6 +169,7 @@ def fit(
         check_target(target_batch_size, world_size)  # before any long work
     if not 0 <= headroom < 1:
         raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
+    _check_outputs(lock_path, report_dir)  # seconds now, not after the whole search
     wl = load_workload(workload)
     gpu = make_device(device)
     machine = system.current_probe()  # one probe: its answers are read once, for doctor and lock

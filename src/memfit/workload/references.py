@@ -85,7 +85,9 @@ def _import_problem(error: BaseException, shown: str, ref: str) -> WorkloadError
     the user's code runs; their traceback would only show memfit's import machinery.
     """
     if isinstance(error, SyntaxError):
-        place = f"{Path(error.filename).name if error.filename else shown}, line {error.lineno}" if error.lineno else shown
+        place = (
+            f"{Path(error.filename).name if error.filename else shown}, line {error.lineno}" if error.lineno else shown
+        )
         return WorkloadError(f"workload {ref!r}: {place}: {error.msg}")
     if isinstance(error, ValueError) and "null bytes" in str(error):
         return WorkloadError(f"workload {ref!r}: {shown} is not Python source (it contains null bytes)")

@@ -162,10 +162,10 @@ def _check_size(name: str, key: str, value: Any) -> None:
 
 def _check_field(name: str, key: str, value: Any, default: Any, is_size: bool) -> None:
     """A config option: a size is positive, and a value has the type of the field's default."""
-    if is_size and (_is_whole(default) or isinstance(default, list) or default is None) and value is not None:
-        if _is_whole(value) or isinstance(value, list) or default is not None:
-            _check_size(name, key, value)
-            return
+    numeric = _is_whole(value) or isinstance(value, list)
+    if is_size and value is not None and (_is_whole(default) or isinstance(default, list) or numeric):
+        _check_size(name, key, value)
+        return
     expected: tuple[type, ...] | None = None
     if isinstance(default, bool):
         expected = (bool,)
@@ -404,7 +404,7 @@ class _HFEntry:
             fields.setdefault("use_cache", False)  # training keeps no KV cache
         try:
             config = config_cls(**fields)
-        except Exception as error:  # the config class's own validation: a value it refuses
+        except Exception as error:  # noqa: BLE001 - the config's own validation, whatever it raises, refuses a value
             raise WorkloadError(
                 f"zoo workload {name!r}: {self.config} refuses these options ({_first_line(error)})"
             ) from None
