@@ -4,8 +4,7 @@ Under torchrun (WORLD_SIZE > 1) the process first joins the process group, so ev
 command works the same way on every rank; rank 0 alone prints.
 """
 
-import sys
-
+from memfit.cli import exit_with
 from memfit.integrations.torchrun import main
 
-sys.exit(main())
+exit_with(main())

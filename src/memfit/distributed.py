@@ -8,6 +8,12 @@ for this process alone, so single-GPU code needs no special case.
 It also joins the process group torchrun describes (:func:`process_group`), so every
 memfit command and function works the same way on every rank.
 
+No hang: each of memfit's collectives waits at most :func:`collective_timeout` seconds
+(``MEMFIT_COLLECTIVE_TIMEOUT``, default 600) for every rank, then raises
+:class:`~memfit.errors.RankTimeoutError` naming the rank that did not come: frozen in its
+own code, or dead. To name it, each rank notes in the job's store (torchrun's rendezvous)
+how many of memfit's collectives it has entered; the ranks behind are the ones missing.
+
 >>> agree_min(42)   # no process group: this process's own value
 42
 """
@@ -15,14 +21,22 @@ memfit command and function works the same way on every rank.
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
 import os
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from memfit.errors import MemfitError, RankTimeoutError
+
 __all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "TIMEOUT_VARIABLE",
+    "collective_timeout",
     "launched_by_torchrun",
     "process_group",
     "output_on_main_only",
@@ -53,24 +67,241 @@ def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     return int(env.get("WORLD_SIZE", "1")) > 1 and all(name in env for name in needed)
 
 
+#: seconds memfit waits at one of its collectives for every rank: long enough for the
+#: slowest rank's trial (a probe trial runs two optimizer steps), short of NCCL's 10 minutes
+#: plus the 30 of gloo's default by which a frozen job would otherwise be noticed
+DEFAULT_COLLECTIVE_TIMEOUT = 600.0
+#: the environment variable that sets it (seconds), for every rank alike
+TIMEOUT_VARIABLE = "MEMFIT_COLLECTIVE_TIMEOUT"
+#: extra seconds an NCCL group memfit makes gives its own watchdog, so memfit's wait ends
+#: first, with its one line, rather than the watchdog's abort
+_NCCL_MARGIN = 60.0
+
+
+class _State:
+    """This process's view of memfit's collectives."""
+
+    def __init__(self) -> None:
+        self.timeout: float | None = None  # set by process_group(timeout=...)
+        self.entered = 0  # memfit collectives this rank has entered
+        self.own_gloo_group = False  # the group was made by process_group() with gloo's timeout
+        self.broken = False  # a collective failed: the group can no longer agree on anything
+
+
+_state = _State()
+
+
+def collective_timeout(seconds: float | None = None) -> float:
+    """The seconds memfit waits at a collective: ``seconds``, else the one
+    :func:`process_group` was given, else ``MEMFIT_COLLECTIVE_TIMEOUT``, else 600.
+
+    >>> collective_timeout(30)
+    30.0
+    >>> collective_timeout()
+    600.0
+    """
+    if seconds is None:
+        seconds = _state.timeout
+    if seconds is None:
+        text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+        if not text:
+            return DEFAULT_COLLECTIVE_TIMEOUT
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise MemfitError(f"{TIMEOUT_VARIABLE}={text!r}: give a number of seconds, such as 600") from None
+        where = f"{TIMEOUT_VARIABLE}={text!r}"
+    else:
+        where = f"collective timeout {seconds!r}"
+    if isinstance(seconds, bool) or not seconds > 0 or seconds == float("inf"):
+        raise MemfitError(f"{where}: must be a positive number of seconds")
+    return float(seconds)
+
+
 @contextlib.contextmanager
-def process_group(backend: str | None = None) -> Iterator[bool]:
+def process_group(backend: str | None = None, *, timeout: float | None = None) -> Iterator[bool]:
     """Join the process group torchrun describes for the duration; yield True when distributed.
 
     Why leave it afterwards: a group this made is this block's; one that already
     existed (the user's, Lightning's) is used as it is and left alone.
+
+    Args:
+        backend: "nccl" or "gloo" (default: nccl with a GPU, gloo without).
+        timeout: seconds memfit's collectives wait for every rank (default:
+            ``MEMFIT_COLLECTIVE_TIMEOUT``, else 600); a rank that does not come within it
+            ends the others with a :class:`~memfit.errors.RankTimeoutError` naming it.
     """
-    if not launched_by_torchrun() or not dist.is_available() or dist.is_initialized():
-        yield dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        return
-    chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if chosen == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=chosen)
+    seconds = collective_timeout(timeout)
+    previous = _state.timeout
+    _state.timeout = seconds if timeout is not None else previous
     try:
-        yield True
+        if not launched_by_torchrun() or not dist.is_available() or dist.is_initialized():
+            yield dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            return
+        chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if chosen == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # gloo's own timeout is memfit's: a collective that times out fails cleanly, and the
+        # group can then be destroyed without waiting for it
+        margin = _NCCL_MARGIN if chosen == "nccl" else 0.0
+        dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=seconds + margin))
+        _state.entered, _state.broken, _state.own_gloo_group = 0, False, chosen == "gloo"
+        finished = False
+        try:
+            yield True
+            finished = True
+        finally:
+            _leave(orderly=finished and not _state.broken)
     finally:
+        _state.timeout = previous
+
+
+def _leave(orderly: bool) -> None:
+    """Destroy the group memfit made; in order when every rank got here.
+
+    Why in order: rank 0 holds the job's store; if it left while another rank was still
+    tearing its group down, that rank could be cut off mid-way (the rare
+    "terminate called without an active exception" at exit). So every rank first meets the
+    others, then ranks other than 0 leave and say so in the store, and rank 0 leaves last.
+    After a failure (a rank missing, an interrupt) nobody waits for anybody.
+    """
+    store = _store()
+    me = dist.get_rank()
+    try:
+        if orderly:
+            with contextlib.suppress(RankTimeoutError):
+                agree_max(0)  # everyone is here: no collective of anyone's is still running
+    finally:
+        orderly = orderly and not _state.broken
+        if orderly and me == 0 and store is not None:
+            others = [f"memfit/left/{rank}" for rank in range(1, dist.get_world_size())]
+            with contextlib.suppress(Exception):  # a rank that died: leave anyway
+                store.wait(others, datetime.timedelta(seconds=collective_timeout()))
         dist.destroy_process_group()
+        _state.own_gloo_group = False
+        if orderly and me != 0 and store is not None:
+            with contextlib.suppress(Exception):  # rank 0 gone: nothing to tell
+                store.set(f"memfit/left/{me}", "1")
+
+
+def left_unfinished() -> bool:
+    """True when one of memfit's collectives failed or was interrupted in this process.
+
+    Why it matters: the process group may still hold a thread blocked on the missing rank,
+    and the interpreter would wait for it at exit (gloo: until its own timeout). A command
+    line that ends then exits at once (:func:`memfit.cli.exit_with`).
+    """
+    return _state.broken
+
+
+def _store() -> Any:
+    """The job's store (torchrun's rendezvous), or None when this torch cannot say."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private helper: without it, ranks are not named
+        return None
+
+
+def _arrived_key(rank: int) -> str:
+    return f"memfit/entered/{rank}"
+
+
+def _enter() -> int:
+    """Count one more memfit collective on this rank, and note it in the store."""
+    _state.entered += 1
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):  # naming the missing rank is a courtesy
+            store.set(_arrived_key(dist.get_rank()), str(_state.entered))
+    return _state.entered
+
+
+def _ranks_behind(entered: int) -> list[int] | None:
+    """The ranks that have not entered this collective yet (None: the store cannot say)."""
+    store = _store()
+    if store is None:
+        return None
+    behind = []
+    try:
+        for other in range(dist.get_world_size()):
+            if other == dist.get_rank():
+                continue
+            key = _arrived_key(other)
+            count = int(store.get(key)) if store.check([key]) else 0
+            if count < entered:
+                behind.append(other)
+    except Exception:  # noqa: BLE001 - the store's host (rank 0, or torchrun's agent) is gone
+        return None
+    return behind
+
+
+def _describe_failure(name: str, entered: int, seconds: float, error: BaseException) -> str:
+    """One line: which rank did not answer, and what to do."""
+    me = dist.get_rank()
+    others = [rank for rank in range(dist.get_world_size()) if rank != me]
+    behind = _ranks_behind(entered)
+    if behind is None:  # the store is gone with its host: rank 0 (or torchrun's agent) ended
+        behind = [0] if me != 0 else others
+    if not behind:  # every rank came: one of them ended inside the collective
+        behind = others if len(others) == 1 else []
+    who = (
+        f"rank {behind[0]}"
+        if len(behind) == 1
+        else f"ranks {', '.join(map(str, behind))}"
+        if behind
+        else "another rank"
+    )
+    text = str(error)
+    if any(word in text for word in ("Connection closed", "Connection reset", "Broken pipe", "Connection refused")):
+        return f"{who} did not answer at memfit's {name}: its process ended (rank {me} waited for it)"
+    return (
+        f"{who} did not answer within {seconds:g} s at memfit's {name} (rank {me} waited): frozen or stuck "
+        f"in its own code; {TIMEOUT_VARIABLE}=SECONDS sets the wait"
+    )
+
+
+#: seconds past the timeout memfit's wait leaves a gloo group it made to fail on its own
+_OWN_GROUP_GRACE = 5.0
+
+
+def _wait(work: Any, seconds: float) -> None:
+    """Wait for a collective's Work at most ``seconds``, still answering Ctrl-C and SIGTERM.
+
+    Why poll rather than ``work.wait()``: a wait inside the C++ library holds the main
+    thread, so Python's signal handlers would not run until the collective ended; polling
+    with short sleeps (0.5 ms doubling up to 50 ms) lets an interrupt end the command now.
+    """
+    deadline = time.monotonic() + seconds
+    pause = 0.0005
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Timed out waiting {seconds:g} s for the collective to complete")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    work.wait()  # raises what the collective failed with, if it failed
+
+
+def _collective(name: str, launch: Callable[[], Any]) -> None:
+    """Run one asynchronous collective (``launch`` returns its Work), bounded in time.
+
+    Why wait with a timeout here as well: a group the user made (Lightning's, their own
+    ``init_process_group``) may wait 30 minutes; memfit's own waits are bounded either way.
+    """
+    if _state.broken:
+        raise RankTimeoutError("an earlier collective failed: this process group cannot agree on anything now")
+    seconds = collective_timeout()
+    entered = _enter()
+    try:
+        work = launch()
+        # a group memfit made with gloo fails the collective itself at the timeout (cleanly,
+        # so it can be destroyed at once): give it that chance before giving up here
+        _wait(work, seconds + (_OWN_GROUP_GRACE if _state.own_gloo_group else 0.0))
+    except RuntimeError as error:  # DistBackendError and gloo's errors are RuntimeErrors
+        _state.broken = True
+        raise RankTimeoutError(_describe_failure(name, entered, seconds, error)) from None
+    except BaseException:  # an interrupt (Ctrl-C, SIGTERM) while waiting: this group is done
+        _state.broken = True
+        raise
 
 
 @contextlib.contextmanager
@@ -121,7 +352,7 @@ def _all_reduce(value: int, op: Any) -> int:
     if not is_distributed():
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=_reduce_device())
-    dist.all_reduce(tensor, op=op)
+    _collective("agreement", lambda: dist.all_reduce(tensor, op=op, async_op=True))
     return int(tensor.item())
 
 
@@ -151,7 +382,7 @@ def agree_min_each(values: Sequence[int]) -> list[int]:
     if not is_distributed():
         return [int(value) for value in values]
     tensor = torch.tensor(list(values), dtype=torch.int64, device=_reduce_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    _collective("agreement", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True))
     return [int(value) for value in tensor.tolist()]
 
 
@@ -185,12 +416,13 @@ def average_across_ranks_(tensors: Sequence[torch.Tensor], bucket_bytes: int = 2
     count = world_size()
     for group in _buckets(tensors, bucket_bytes):
         if len(group) == 1 and group[0].is_contiguous():
-            group[0].div_(count)
-            dist.all_reduce(group[0])
+            single = group[0]
+            single.div_(count)
+            _collective("gradient average", functools.partial(dist.all_reduce, single, async_op=True))
             continue
         flat = torch.cat([tensor.reshape(-1) for tensor in group])
         flat.div_(count)
-        dist.all_reduce(flat)
+        _collective("gradient average", functools.partial(dist.all_reduce, flat, async_op=True))
         offset = 0
         for tensor in group:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -219,4 +451,4 @@ def broadcast_from_main_(tensors: Sequence[torch.Tensor]) -> None:
     if not is_distributed():
         return
     for tensor in tensors:
-        dist.broadcast(tensor, src=0)
+        _collective("broadcast from rank 0", functools.partial(dist.broadcast, tensor, src=0, async_op=True))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -33,7 +34,7 @@ import click
 from memfit._version import __version__
 from memfit.errors import MemfitError, workload_code_of
 
-__all__ = ["main", "cli", "COMMANDS", "entry_point", "Terminated", "EXIT_SIGINT", "EXIT_SIGTERM"]
+__all__ = ["main", "cli", "COMMANDS", "entry_point", "exit_with", "Terminated", "EXIT_SIGINT", "EXIT_SIGTERM"]
 
 #: exit statuses after an interrupt: 128 + the signal's number, as a shell reports it
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -145,5 +146,21 @@ def _workload_code_error(error: Exception, where: str) -> int:
     return 1
 
 
+def exit_with(status: int) -> None:
+    """End the process with ``status``; at once when a collective was left unfinished.
+
+    Why at once: after a rank did not answer (or an interrupt during a collective), the
+    process group still holds a thread waiting for that rank, and the interpreter's normal
+    exit would wait for it. Every file memfit writes is complete by now (written and
+    fsynced before the rename), so only the output streams need flushing.
+    """
+    distributed = sys.modules.get("memfit.distributed")  # not imported: no process group
+    if distributed is not None and distributed.left_unfinished():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 def entry_point() -> None:
-    sys.exit(main())
+    exit_with(main())

@@ -18,6 +18,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
+from memfit.cli import exit_with
 from memfit.cli import main as cli_main
 from memfit.distributed import launched_by_torchrun, output_on_main_only, process_group
 from memfit.memory.devices import rank_device
@@ -64,4 +65,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())
