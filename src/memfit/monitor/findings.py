@@ -24,6 +24,7 @@ Each kind of finding is reported at most once per run:
 
 from __future__ import annotations
 
+import collections
 import html
 import itertools
 import math
@@ -37,6 +38,7 @@ from memfit.units import MiB, format_size
 __all__ = [
     "MemoryFinding",
     "analyze_steps",
+    "FindingsStream",
     "find_leak",
     "find_fragmentation",
     "find_shape_peak",
@@ -68,6 +70,10 @@ FRAGMENTATION_FLOOR = 64 * MiB
 FRAGMENTATION_CAPACITY_SHARE = 0.02
 #: recorded steps with a successful allocator retry before retries count as rising
 RETRY_STEPS = 2
+
+#: the most step numbers a finding's evidence lists (retry steps, new-shape peaks): a run of
+#: millions of steps must not grow its findings without bound; the counts stay exact
+MAX_EVIDENCE_STEPS = 1000
 
 #: labels that hold an input shape even when their value is a single number
 SHAPE_LABEL_NAMES = frozenset({"batch_size", "seq_len", "seq_length", "length", "num_tokens", "tokens"})
@@ -115,12 +121,47 @@ def analyze_steps(
     window: int = DEFAULT_WINDOW,
 ) -> list[MemoryFinding]:
     """Every finding the records support, each kind at most once, in a fixed order."""
-    found = [
-        find_leak(records, window=window),
-        find_fragmentation(records, capacity=capacity),
-        find_shape_peak(records),
-    ]
-    return [finding for finding in found if finding is not None]
+    stream = FindingsStream(window)
+    for record in records:
+        stream.add(record)
+    return stream.findings(capacity)
+
+
+class FindingsStream:
+    """The findings of a run, fed one record at a time, in memory that does not grow with it.
+
+    Why: a monitor watches runs of millions of steps; it keeps the full records in its
+    file, and here only what each rule needs: per group of steps the last ``window``
+    boundaries and the first growing stretch's ends, the running highest peak and the
+    worst unused reserve, the retry steps (up to :data:`MAX_EVIDENCE_STEPS`), the new-shape
+    peaks. :func:`analyze_steps` is this stream over a list, so both give the same answer.
+
+    >>> stream = FindingsStream(window=10)
+    >>> for i in range(1000):
+    ...     stream.add({"step": i, "allocated": 1000 + 512 * i, "labels": {}})
+    >>> [f.kind for f in stream.findings()], stream.held() <= 3 * 10
+    (['leak'], True)
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+        self.leak = _LeakStream(window)
+        self.fragmentation = _FragmentationStream()
+        self.shape_peak = _ShapePeakStream()
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        """Take the next record (records arrive in step order)."""
+        self.leak.add(record)
+        self.fragmentation.add(record)
+        self.shape_peak.add(record)
+
+    def findings(self, capacity: int | None = None) -> list[MemoryFinding]:
+        """Every finding so far, each kind at most once, in a fixed order."""
+        found = [self.leak.finding(), self.fragmentation.finding(capacity), self.shape_peak.finding()]
+        return [finding for finding in found if finding is not None]
+
+    def held(self) -> int:
+        """How many step boundaries the stream holds (it does not grow with the run)."""
+        return self.leak.held()
 
 
 # -- shapes ----------------------------------------------------------------------------
@@ -184,31 +225,6 @@ def keeps_growing(values: Sequence[int]) -> bool:
     return rising_fraction(values) >= LEAK_RISING_FRACTION and net >= (1 - LEAK_GIVE_BACK) * rises
 
 
-def _growing_stretch(values: Sequence[int], window: int) -> tuple[int, int] | None:
-    """Indices (start, end) of the first stretch made of windows where memory keeps growing.
-
-    The stretch runs from the first qualifying window to the end of the last one that
-    overlaps it (so a leak that stopped is still found), trimmed to its first and last
-    rise, so the growth per step is not diluted by flat steps around it.
-    """
-    qualifying = [
-        start for start in range(0, len(values) - window + 1) if keeps_growing(values[start : start + window])
-    ]
-    if not qualifying:
-        return None
-    start = end = qualifying[0]
-    for candidate in qualifying[1:]:
-        if candidate > end + window - 1:
-            break
-        end = candidate
-    end += window - 1
-    while start < end and values[start + 1] <= values[start]:
-        start += 1
-    while end > start and values[end - 1] >= values[end]:
-        end -= 1
-    return start, end
-
-
 def steps_per_record(records: Sequence[Mapping[str, Any]]) -> int:
     """How many steps one record stands for: the median gap between recorded steps (``every``)."""
     gaps = sorted(
@@ -242,22 +258,157 @@ def growth_by_phase(
 
 def find_leak(records: Sequence[Mapping[str, Any]], *, window: int = DEFAULT_WINDOW) -> MemoryFinding | None:
     """Memory at step boundaries that keeps growing among steps of the same phase and shapes."""
-    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    stream = _LeakStream(window)
     for record in records:
-        if "allocated" in record:
-            groups.setdefault(_group_of(record), []).append(record)
-    stretches = []
-    for group, members in groups.items():
-        stretch = _growing_stretch([int(r["allocated"]) for r in members], window)
-        if stretch is not None:
-            first, last = members[stretch[0]], members[stretch[1]]
-            stretches.append((int(last["allocated"]) - int(first["allocated"]), group, first, last))
-    if not stretches:
-        return None
-    _, (_, shapes), first, last = max(stretches, key=lambda item: item[0])
-    every = steps_per_record(records)
-    by_phase = growth_by_phase(records, int(first["step"]), int(last["step"]), every)
-    phase, per_step = max(by_phase.items(), key=lambda item: item[1]) if by_phase else (None, 0.0)
+        stream.add(record)
+    return stream.finding()
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """One recorded step of a group: its memory, its step, and the phase growth so far."""
+
+    allocated: int
+    step: int
+    #: per phase, (bytes added, changes counted) over the run up to this record
+    growth: tuple[tuple[Any, int, int], ...]
+
+
+class _GroupStretch:
+    """One group's steps: the last ``window`` boundaries and its first growing stretch.
+
+    The stretch is the first window where memory keeps growing, extended by every
+    qualifying window that overlaps the last one; only its two end windows are kept,
+    since trimming its ends (to the first and last rise) never looks further.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.recent: collections.deque[_Boundary] = collections.deque(maxlen=window)
+        self.count = 0
+        self.first_window: list[_Boundary] | None = None
+        self.last_window: list[_Boundary] = []
+        self.first_start = self.last_start = 0
+        self.closed = False
+
+    def add(self, boundary: _Boundary) -> None:
+        self.recent.append(boundary)
+        self.count += 1
+        if self.count < self.window or self.closed:
+            return
+        start = self.count - self.window
+        grows = keeps_growing([b.allocated for b in self.recent])
+        if self.first_window is None:
+            if grows:
+                self.first_window, self.last_window = list(self.recent), list(self.recent)
+                self.first_start = self.last_start = start
+            return
+        if start > self.last_start + self.window - 1:
+            self.closed = True  # no later window can join the first stretch
+        elif grows:
+            self.last_start, self.last_window = start, list(self.recent)
+
+    def ends(self) -> tuple[_Boundary, _Boundary] | None:
+        """The stretch trimmed to its first and last rise: (first, last) boundaries."""
+        if self.first_window is None:
+            return None
+        first, last = self.first_window, self.last_window
+        start, end = self.first_start, self.last_start + self.window - 1
+
+        def value(index: int) -> int:
+            if index - self.first_start < len(first):
+                return first[index - self.first_start].allocated
+            return last[index - self.last_start].allocated
+
+        while start < end and value(start + 1) <= value(start):
+            start += 1
+        while end > start and value(end - 1) >= value(end):
+            end -= 1
+
+        def at(index: int) -> _Boundary:
+            if index - self.first_start < len(first):
+                return first[index - self.first_start]
+            return last[index - self.last_start]
+
+        return at(start), at(end)
+
+
+class _LeakStream:
+    """The leak rule, fed one record at a time (see :func:`find_leak`)."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.groups: dict[tuple[Any, ...], _GroupStretch] = {}
+        self.growth: dict[Any, tuple[int, int]] = {}  # per phase: (bytes added, changes counted)
+        self.previous: Mapping[str, Any] | None = None
+        self.gaps: collections.Counter[int] = collections.Counter()
+        self.previous_step: int | None = None
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        if self.previous_step is not None and step > self.previous_step:
+            self.gaps[step - self.previous_step] += 1
+        self.previous_step = step
+        if "allocated" not in record:
+            return
+        labels = record.get("labels") or {}
+        if self.previous is not None and shape_key(self.previous.get("labels") or {}) == shape_key(labels):
+            phase = labels.get("phase")
+            added, counted = self.growth.get(phase, (0, 0))
+            self.growth[phase] = (added + int(record["allocated"]) - int(self.previous["allocated"]), counted + 1)
+        self.previous = record
+        snapshot = tuple((phase, added, counted) for phase, (added, counted) in self.growth.items())
+        group = self.groups.get(_group_of(record))
+        if group is None:
+            group = self.groups[_group_of(record)] = _GroupStretch(self.window)
+        group.add(_Boundary(int(record["allocated"]), step, snapshot))
+
+    def held(self) -> int:
+        return sum(len(g.recent) + len(g.first_window or ()) + len(g.last_window) for g in self.groups.values())
+
+    def steps_per_record(self) -> int:
+        """The median gap between recorded steps (as :func:`steps_per_record`)."""
+        total = sum(self.gaps.values())
+        if not total:
+            return 1
+        seen = 0
+        for gap in sorted(self.gaps):
+            seen += self.gaps[gap]
+            if seen > total // 2:
+                return gap
+        return 1  # pragma: no cover - the loop always returns
+
+    def finding(self) -> MemoryFinding | None:
+        stretches = []
+        for (_, shapes), group in self.groups.items():
+            ends = group.ends()
+            if ends is not None:
+                first, last = ends
+                stretches.append((last.allocated - first.allocated, shapes, first, last))
+        if not stretches:
+            return None
+        _, shapes, first, last = max(stretches, key=lambda item: item[0])
+        every = self.steps_per_record()
+        before = {phase: (added, counted) for phase, added, counted in first.growth}
+        by_phase = {}
+        for phase, added, counted in last.growth:
+            added_before, counted_before = before.get(phase, (0, 0))
+            if counted > counted_before:
+                by_phase[phase] = (added - added_before) / ((counted - counted_before) * every)
+        return _leak_finding(first, last, shapes, by_phase, len(stretches))
+
+
+def _leak_finding(
+    first: _Boundary,
+    last: _Boundary,
+    shapes: tuple[tuple[str, tuple[int, ...]], ...],
+    by_phase: dict[Any, float],
+    groups_growing: int,
+) -> MemoryFinding:
+    # the fastest-growing phase first; equal rates in the order of their names, so the
+    # answer does not depend on which phase happened to come first
+    by_phase = dict(sorted(by_phase.items(), key=lambda item: (-item[1], str(item[0]))))
+    phase, per_step = next(iter(by_phase.items())) if by_phase else (None, 0.0)
     growth = round(per_step)
     phases = [p for p in by_phase if p is not None]
     step_name = f"{phase!r} step" if phase is not None and len(phases) > 1 else "step"
@@ -271,26 +422,26 @@ def find_leak(records: Sequence[Mapping[str, Any]], *, window: int = DEFAULT_WIN
     evidence = {
         "growth_bytes_per_step": growth,
         "phase": phase,
-        "total_growth_bytes": int(last["allocated"]) - int(first["allocated"]),
-        "from_step": int(first["step"]),
-        "to_step": int(last["step"]),
-        "first_allocated": int(first["allocated"]),
-        "last_allocated": int(last["allocated"]),
+        "total_growth_bytes": last.allocated - first.allocated,
+        "from_step": first.step,
+        "to_step": last.step,
+        "first_allocated": first.allocated,
+        "last_allocated": last.allocated,
         "shapes": shape_text,
-        "groups_growing": len(stretches),
+        "groups_growing": groups_growing,
     }
     return MemoryFinding(
         kind="leak",
         title=f"Memory leak: +{format_size(growth)} per {step_name}",
         summary=(
             f"Allocated memory at step boundaries grew by {format_size(growth)} per {step_name}, "
-            f"from {format_size(int(first['allocated']))} at step {first['step']} to "
-            f"{format_size(int(last['allocated']))} at step {last['step']}, among steps with the same "
+            f"from {format_size(first.allocated)} at step {first.step} to "
+            f"{format_size(last.allocated)} at step {last.step}, among steps with the same "
             f"shapes ({shape_text}){others}. "
             "Left running, it runs out of memory whatever the batch size."
         ),
-        first_step=int(first["step"]),
-        last_step=int(last["step"]),
+        first_step=first.step,
+        last_step=last.step,
         evidence=evidence,
         causes=(
             "a loss kept with its graph: `total = total + loss` or `losses.append(loss)` keeps "
@@ -356,67 +507,110 @@ def successful_retries(records: Sequence[Mapping[str, Any]]) -> list[int]:
 
 def find_fragmentation(records: Sequence[Mapping[str, Any]], *, capacity: int | None = None) -> MemoryFinding | None:
     """Unused reserve that is large and growing, or allocator retries that keep happening."""
-    if not records:
-        return None
-    unused = unused_reserve(records)
-    retries = successful_retries(records)
-    floor = fragmentation_floor(capacity)
-    worst = max(range(len(records)), key=lambda i: (unused[i], -i))
-    reserved_at_worst = int(records[worst].get("reserved", 0))
-    large = unused[worst] >= max(floor, FRAGMENTATION_SHARE * reserved_at_worst)
-    growing = unused[worst] > unused[0]
-    retry_steps = [int(r["step"]) for r, n in zip(records, retries) if n > 0]
-    rising_retries = len(retry_steps) >= RETRY_STEPS
-    if not (large and growing) and not rising_retries:
-        return None
-    facts = []
-    if large and growing:
-        highest = reserved_at_worst - unused[worst]
-        facts.append(
-            f"at step {records[worst]['step']} the allocator reserved {format_size(reserved_at_worst)} "
-            f"while the most the run ever held at once was {format_size(highest)}: "
-            f"{format_size(unused[worst])} reserved but never usable "
-            f"(up from {format_size(unused[0])} at step {records[0]['step']})"
+    stream = _FragmentationStream()
+    for record in records:
+        stream.add(record)
+    return stream.finding(capacity)
+
+
+class _FragmentationStream:
+    """The fragmentation rule, fed one record at a time: running maxima and the retry steps.
+
+    The same numbers as :func:`unused_reserve` and :func:`successful_retries` over the
+    whole list, without the list: the first record's unused reserve, the worst one (the
+    first at its value), and the steps with a successful retry.
+    """
+
+    def __init__(self) -> None:
+        self.highest = 0
+        self.first: tuple[int, int] | None = None  # (step, unused reserve)
+        self.worst: tuple[int, int, int] | None = None  # (unused reserve, step, reserved)
+        self.retries = self.ooms = 0
+        self.retry_total = 0
+        self.retry_count = 0
+        self.retry_steps: list[int] = []  # the first MAX_EVIDENCE_STEPS of them
+        self.last_retry_step = 0
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        self.highest = max(self.highest, int(record.get("peak_allocated", record.get("allocated", 0))))
+        reserved = int(record.get("reserved", 0))
+        unused = max(reserved - self.highest, 0)
+        if self.first is None:
+            self.first = (step, unused)
+        if self.worst is None or unused > self.worst[0]:
+            self.worst = (unused, step, reserved)
+        now_retries, now_ooms = int(record.get("num_alloc_retries", 0)), int(record.get("num_ooms", 0))
+        succeeded = max((now_retries - self.retries) - (now_ooms - self.ooms), 0)
+        self.retries, self.ooms = now_retries, now_ooms
+        if succeeded > 0:
+            self.retry_total += succeeded
+            self.retry_count += 1
+            self.last_retry_step = step
+            if len(self.retry_steps) < MAX_EVIDENCE_STEPS:
+                self.retry_steps.append(step)
+
+    def finding(self, capacity: int | None = None) -> MemoryFinding | None:
+        if self.first is None or self.worst is None:
+            return None
+        first_record_step, first_unused = self.first
+        worst_unused, worst_step, reserved_at_worst = self.worst
+        floor = fragmentation_floor(capacity)
+        large = worst_unused >= max(floor, FRAGMENTATION_SHARE * reserved_at_worst)
+        growing = worst_unused > first_unused
+        rising_retries = self.retry_count >= RETRY_STEPS
+        if not (large and growing) and not rising_retries:
+            return None
+        first_retry = self.retry_steps[0] if self.retry_steps else 0
+        facts = []
+        if large and growing:
+            highest = reserved_at_worst - worst_unused
+            facts.append(
+                f"at step {worst_step} the allocator reserved {format_size(reserved_at_worst)} "
+                f"while the most the run ever held at once was {format_size(highest)}: "
+                f"{format_size(worst_unused)} reserved but never usable "
+                f"(up from {format_size(first_unused)} at step {first_record_step})"
+            )
+        if rising_retries:
+            facts.append(
+                f"the allocator flushed its cache and retried in {self.retry_count} steps "
+                f"({self.retry_total} retries, first at step {first_retry}, last at step {self.last_retry_step})"
+            )
+        first_step = first_record_step if large and growing else first_retry
+        last_step = worst_step if large and growing else self.last_retry_step
+        if rising_retries and large and growing:
+            first_step, last_step = min(first_step, first_retry), max(last_step, self.last_retry_step)
+        summary = "; ".join(facts)
+        return MemoryFinding(
+            kind="fragmentation",
+            title=f"Fragmentation: {format_size(worst_unused)} reserved but unusable",
+            summary=summary[0].upper() + summary[1:] + ".",
+            first_step=first_step,
+            last_step=last_step,
+            evidence={
+                "unused_reserve_bytes": worst_unused,
+                "unused_reserve_first_bytes": first_unused,
+                "reserved_bytes": reserved_at_worst,
+                "at_step": worst_step,
+                "successful_retries": self.retry_total,
+                "retry_steps": list(self.retry_steps),
+                "retry_steps_count": self.retry_count,
+            },
+            causes=(
+                "tensors of many different sizes (variable sequence lengths, varying batch shapes) "
+                "leave cached blocks that are too small for the next request",
+                "long-lived tensors allocated between short-lived ones pin segments that can then never be returned",
+            ),
+            advice=(
+                f"set {EXPANDABLE_SEGMENTS} in the environment of the training process before CUDA "
+                f"starts: on the command line (`{EXPANDABLE_SEGMENTS} python train.py`), in the job "
+                "script before `torchrun` (every rank inherits it), or at the very top of the script "
+                f"with `os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'` before "
+                "`import torch`",
+                "pad inputs to a few fixed lengths (buckets), so blocks are reused",
+                "the simulated GPU models the default allocator; expandable segments apply on a real GPU",
+            ),
         )
-    if rising_retries:
-        facts.append(
-            f"the allocator flushed its cache and retried in {len(retry_steps)} steps "
-            f"({sum(retries)} retries, first at step {retry_steps[0]}, last at step {retry_steps[-1]})"
-        )
-    first_step = int(records[0]["step"]) if large and growing else retry_steps[0]
-    last_step = int(records[worst]["step"]) if large and growing else retry_steps[-1]
-    if rising_retries and large and growing:
-        first_step, last_step = min(first_step, retry_steps[0]), max(last_step, retry_steps[-1])
-    summary = "; ".join(facts)
-    return MemoryFinding(
-        kind="fragmentation",
-        title=f"Fragmentation: {format_size(unused[worst])} reserved but unusable",
-        summary=summary[0].upper() + summary[1:] + ".",
-        first_step=first_step,
-        last_step=last_step,
-        evidence={
-            "unused_reserve_bytes": unused[worst],
-            "unused_reserve_first_bytes": unused[0],
-            "reserved_bytes": reserved_at_worst,
-            "at_step": int(records[worst]["step"]),
-            "successful_retries": sum(retries),
-            "retry_steps": retry_steps,
-        },
-        causes=(
-            "tensors of many different sizes (variable sequence lengths, varying batch shapes) "
-            "leave cached blocks that are too small for the next request",
-            "long-lived tensors allocated between short-lived ones pin segments that can then never be returned",
-        ),
-        advice=(
-            f"set {EXPANDABLE_SEGMENTS} in the environment of the training process before CUDA "
-            f"starts: on the command line (`{EXPANDABLE_SEGMENTS} python train.py`), in the job "
-            "script before `torchrun` (every rank inherits it), or at the very top of the script "
-            f"with `os.environ['PYTORCH_CUDA_ALLOC_CONF'] = 'expandable_segments:True'` before "
-            "`import torch`",
-            "pad inputs to a few fixed lengths (buckets), so blocks are reused",
-            "the simulated GPU models the default allocator; expandable segments apply on a real GPU",
-        ),
-    )
 
 
 # -- a new peak from a new largest shape -----------------------------------------------
@@ -428,50 +622,73 @@ def _times(count: int) -> str:
 
 def find_shape_peak(records: Sequence[Mapping[str, Any]]) -> MemoryFinding | None:
     """Peaks that rose with a new largest input shape (not a leak: the worst case grew)."""
-    highest_peak: int | None = None
-    largest_shape = 0
-    events: list[dict[str, Any]] = []
+    stream = _ShapePeakStream()
     for record in records:
+        stream.add(record)
+    return stream.finding()
+
+
+class _ShapePeakStream:
+    """The new-shape-peak rule, fed one record at a time.
+
+    Each event needs a larger shape and a peak 5 % above every earlier one, so events are
+    few (the peak multiplies by 1.05 each time); still, at most MAX_EVIDENCE_STEPS are kept.
+    """
+
+    def __init__(self) -> None:
+        self.highest_peak: int | None = None
+        self.largest_shape = 0
+        self.events: list[dict[str, Any]] = []
+        self.count = 0
+
+    def add(self, record: Mapping[str, Any]) -> None:
         if "peak_allocated" not in record:
-            continue
+            return
         peak = int(record["peak_allocated"])
         key = shape_key(record.get("labels") or {})
         size = shape_size(key)
-        if highest_peak is not None and key and size > largest_shape and peak > highest_peak * (1 + NEW_PEAK_MARGIN):
-            events.append(
-                {
-                    "step": int(record["step"]),
-                    "peak_bytes": peak,
-                    "previous_peak_bytes": highest_peak,
-                    "shape": ", ".join(f"{name}={list(dims)}" for name, dims in key),
-                }
-            )
-        highest_peak = peak if highest_peak is None else max(highest_peak, peak)
-        largest_shape = max(largest_shape, size)
-    if not events:
-        return None
-    first, last = events[0], events[-1]
-    return MemoryFinding(
-        kind="shape_peak",
-        title=f"New peak from a new largest input: {format_size(last['peak_bytes'])}",
-        summary=(
-            f"The peak rose {_times(len(events))} with a new largest input shape, from "
-            f"{format_size(first['previous_peak_bytes'])} to {format_size(last['peak_bytes'])} at step "
-            f"{last['step']} ({last['shape']}). A larger input needs more memory: this peak is not a "
-            "leak, the worst case got bigger."
-        ),
-        first_step=first["step"],
-        last_step=last["step"],
-        evidence={"events": events, "peak_bytes": last["peak_bytes"], "shape": last["shape"]},
-        causes=(
-            "inputs of varying size (sequence length, image size, number of objects): the largest one sets the peak",
-        ),
-        advice=(
-            "size the batch with worst-case shapes: a workload's make_batch should return the "
-            "longest sequence (`memfit probe` and `memfit estimate` then find what fits)",
-            "or cap the input size (truncate, bucket by length) so the worst case is known",
-        ),
-    )
+        highest = self.highest_peak
+        if highest is not None and key and size > self.largest_shape and peak > highest * (1 + NEW_PEAK_MARGIN):
+            event = {
+                "step": int(record["step"]),
+                "peak_bytes": peak,
+                "previous_peak_bytes": highest,
+                "shape": ", ".join(f"{name}={list(dims)}" for name, dims in key),
+            }
+            self.count += 1
+            if len(self.events) < MAX_EVIDENCE_STEPS:
+                self.events.append(event)
+            else:
+                self.events[-1] = event  # keep the latest: the finding reports the last peak
+        self.highest_peak = peak if highest is None else max(highest, peak)
+        self.largest_shape = max(self.largest_shape, size)
+
+    def finding(self) -> MemoryFinding | None:
+        events = list(self.events)
+        if not events:
+            return None
+        first, last = events[0], events[-1]
+        return MemoryFinding(
+            kind="shape_peak",
+            title=f"New peak from a new largest input: {format_size(last['peak_bytes'])}",
+            summary=(
+                f"The peak rose {_times(self.count)} with a new largest input shape, from "
+                f"{format_size(first['previous_peak_bytes'])} to {format_size(last['peak_bytes'])} at step "
+                f"{last['step']} ({last['shape']}). A larger input needs more memory: this peak is not a "
+                "leak, the worst case got bigger."
+            ),
+            first_step=first["step"],
+            last_step=last["step"],
+            evidence={"events": events, "peak_bytes": last["peak_bytes"], "shape": last["shape"]},
+            causes=(
+                "inputs of varying size (sequence length, image size, number of objects): the largest one sets the peak",
+            ),
+            advice=(
+                "size the batch with worst-case shapes: a workload's make_batch should return the "
+                "longest sequence (`memfit probe` and `memfit estimate` then find what fits)",
+                "or cap the input size (truncate, bucket by length) so the worst case is known",
+            ),
+        )
 
 
 def findings_html(findings: Sequence[MemoryFinding]) -> str:

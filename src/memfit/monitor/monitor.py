@@ -9,6 +9,10 @@ one, so a run that dies still leaves its timeline; ``memfit report`` turns the f
 a picture and a page. ``monitor.findings`` names leaks, fragmentation and new-shape peaks
 (:mod:`memfit.monitor.findings`).
 
+Bounded memory, however long the run: the findings and the summary stream (running
+maxima and counts, and per rule only the steps it needs), and ``monitor.records`` holds
+the last ``keep`` records; every record goes to the file.
+
 Cheap by design: a step reads the allocator's counters and resets its peaks; it never
 waits for the GPU unless ``synchronize=True`` (then step times are the GPU's too).
 
@@ -27,9 +31,11 @@ waits for the GPU unless ``synchronize=True`` (then step times are the GPU's too
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
+import pickle
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,19 +44,24 @@ from typing import IO, Any
 import torch
 
 from memfit._html import to_html
+from memfit._io import write_atomically
 from memfit._plot import png_data_uri
 from memfit._version import __version__
 from memfit.distributed import rank
 from memfit.errors import MemfitError
-from memfit.memory.devices import CudaDevice, Device
+from memfit.memory.devices import CudaDevice, Device, active_device
 from memfit.memory.devices import device as make_device
 from memfit.memory.oom import is_oom
-from memfit.monitor.findings import DEFAULT_WINDOW, MemoryFinding, analyze_steps, findings_html
-from memfit.monitor.runfile import FORMAT_VERSION, RecordedRun, summarize
+from memfit.monitor.findings import DEFAULT_WINDOW, FindingsStream, MemoryFinding, findings_html
+from memfit.monitor.runfile import FORMAT_VERSION, RecordedRun, StepSummary, read_run
 from memfit.monitor.timeline import timeline_png
 from memfit.units import format_size
 
-__all__ = ["Monitor", "jsonable_label", "describe_record"]
+__all__ = ["Monitor", "jsonable_label", "describe_record", "DEFAULT_KEEP"]
+
+#: records a monitor holds in memory by default (about 10 MiB of Python dicts); the file
+#: and the streamed findings and summary cover every step
+DEFAULT_KEEP = 10_000
 
 
 def jsonable_label(value: Any) -> Any:
@@ -73,17 +84,21 @@ def jsonable_label(value: Any) -> Any:
 
 
 def resolve_device(spec: Device | str | None) -> Device:
-    """The device to watch: the one given, else the current CUDA device.
+    """The device to watch: the one given, else the one the loop runs in
+    (``with memfit.device("sim:8GiB"):``), else the current CUDA device.
 
     Why no simulated default: a monitor on a device nothing runs on records nothing, so
-    without a GPU the caller must say which (simulated) device the loop uses.
+    without a GPU and outside a ``memfit.device`` block the caller must say which.
     """
     if spec is not None:
         return make_device(spec)
+    entered = active_device()
+    if entered is not None:
+        return entered
     if not torch.cuda.is_available():
         raise MemfitError(
-            "Monitor needs a device: no CUDA GPU here; pass one, such as Monitor('sim:8GiB') "
-            "or Monitor(memfit.device('cpu'))"
+            "Monitor needs a device: no CUDA GPU here; pass one, such as Monitor('sim:8GiB'), "
+            "or make the monitor inside `with memfit.device('sim:8GiB'):`"
         )
     return make_device(f"cuda:{torch.cuda.current_device()}")
 
@@ -109,6 +124,7 @@ class Monitor:
 
     Args:
         device: a memfit device or spec (``"sim:8GiB"``, ``"cuda:0"``); None means the
+            device of the ``with memfit.device(...)`` block the monitor is made in, else the
             current CUDA device. The monitor enters the device for the duration of the
             ``with`` block (for ``sim:`` and ``cpu`` that is what counts the tensors).
         path: JSON lines file to write (replaced if it exists; ``{rank}`` is the rank),
@@ -120,6 +136,8 @@ class Monitor:
         max_entries: the most allocator events the snapshot keeps.
         window: consecutive recorded steps a leak must persist over.
         synchronize: wait for the GPU at each recorded step, so step times are exact.
+        keep: the most recent records held in ``monitor.records`` (every record goes to
+            ``path``; findings and the summary cover the whole run whatever this is).
     """
 
     def __init__(
@@ -132,9 +150,11 @@ class Monitor:
         max_entries: int = 100_000,
         window: int = DEFAULT_WINDOW,
         synchronize: bool = False,
+        keep: int = DEFAULT_KEEP,
     ) -> None:
         _check_positive("every", every)
         _check_positive("max_entries", max_entries)
+        _check_positive("keep", keep)
         if isinstance(window, bool) or not isinstance(window, int) or window < 3:
             raise MemfitError(f"invalid window {window!r}: must be an integer of at least 3")
         self.device = resolve_device(device)
@@ -149,7 +169,10 @@ class Monitor:
         self.max_entries = max_entries
         self.window = window
         self.synchronize = synchronize
-        self.records: list[dict[str, Any]] = []
+        self.keep = keep
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+        self._stream = FindingsStream(window)
+        self._summary = StepSummary(keep)
         self.header: dict[str, Any] = {}
         self._file: IO[str] | None = None
         self._steps = 0
@@ -181,7 +204,9 @@ class Monitor:
         except BaseException:
             self._close()
             raise
-        self.records = []
+        self._recent.clear()
+        self._stream = FindingsStream(self.window)
+        self._summary = StepSummary(self.keep)
         self._steps = 0
         self._last_recorded_step = -1
         self._active = True
@@ -208,17 +233,28 @@ class Monitor:
     # -- results -----------------------------------------------------------------------
 
     @property
+    def records(self) -> list[dict[str, Any]]:
+        """The last ``keep`` step records (the file has them all)."""
+        return list(self._recent)
+
+    @property
     def findings(self) -> list[MemoryFinding]:
-        """Leak, fragmentation and new-shape-peak findings over the records so far."""
-        return analyze_steps(self.records, capacity=self.device.capacity, window=self.window)
+        """Leak, fragmentation and new-shape-peak findings over the whole run so far."""
+        return self._stream.findings(self.device.capacity)
 
     def summary(self) -> dict[str, Any]:
-        """The run in a few numbers (bytes as ints), for tables and JSON."""
-        return summarize(self.header, self.records)
+        """The run in a few numbers (bytes as ints), for tables and JSON; the step time is
+        the median of the last ``keep`` steps."""
+        return self._summary.to_dict(self.header)
 
     def recorded(self) -> RecordedRun:
-        """The run so far, as :func:`read_run` would read it back (for ``memfit.write_report``)."""
-        return RecordedRun(dict(self.header), list(self.records))
+        """The run so far, for ``memfit.write_report``: read back from the file when there is
+        one (every step), else the records held, with the whole run's findings and summary."""
+        if self.path is not None and self.path.exists():
+            if self._file is not None:
+                self._file.flush()
+            return read_run(self.path)
+        return RecordedRun(dict(self.header), self.records, known_findings=self.findings, known_summary=self.summary())
 
     def _repr_html_(self) -> str:
         """A monitor in a notebook: its summary, its findings and its timeline."""
@@ -273,7 +309,9 @@ class Monitor:
             "labels": {str(key): jsonable_label(value) for key, value in labels.items()},
         }
         record.update(extra)
-        self.records.append(record)
+        self._recent.append(record)
+        self._stream.add(record)
+        self._summary.add(record)
         self._last = now
         self._last_recorded_step = step
         if self._file is not None:
@@ -299,16 +337,10 @@ class Monitor:
 
 
 def _dump_snapshot(path: Path) -> None:
-    """Dump the recorded allocator history atomically, then stop recording it."""
+    """Write the recorded allocator history (as ``torch.cuda.memory._dump_snapshot`` does:
+    the pickled ``_snapshot()``) through the one atomic writer, then stop recording it."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            torch.cuda.memory._dump_snapshot(str(temp))
-            os.replace(temp, path)
-        finally:
-            if temp.exists():
-                temp.unlink()
+        write_atomically(path, pickle.dumps(torch.cuda.memory._snapshot()))
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
 

@@ -7,6 +7,7 @@ findings.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import statistics
@@ -19,7 +20,7 @@ from memfit._read import MAX_DEPTH, nesting_depth, read_text
 from memfit.errors import MemfitError
 from memfit.monitor.findings import DEFAULT_WINDOW, MemoryFinding, analyze_steps
 
-__all__ = ["RecordedRun", "read_run", "summarize", "FORMAT_VERSION"]
+__all__ = ["RecordedRun", "read_run", "summarize", "StepSummary", "FORMAT_VERSION"]
 
 #: version of the JSON lines format (the header's "format")
 FORMAT_VERSION = 1
@@ -27,22 +28,56 @@ FORMAT_VERSION = 1
 
 def summarize(header: Mapping[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
     """A run in a few numbers: steps, last and highest memory, retries, OOMs."""
-    steps = [r for r in records if r.get("kind", "step") == "step"]
-    last = steps[-1] if steps else {}
-    return {
-        "device": header.get("description") or header.get("device"),
-        "capacity": header.get("capacity"),
-        "steps_recorded": len(steps),
-        "last_step": last.get("step"),
-        "allocated": last.get("allocated"),
-        "reserved": last.get("reserved"),
-        "highest_peak_allocated": max((r.get("peak_allocated", 0) for r in steps), default=None),
-        "highest_reserved": max((r.get("peak_reserved", 0) for r in steps), default=None),
-        "num_alloc_retries": last.get("num_alloc_retries", 0),
-        "num_ooms": last.get("num_ooms", 0),
-        # the median: the first step pays for warm-up (kernels, lazy imports, optimizer state)
-        "seconds_per_step": statistics.median(r.get("seconds", 0.0) for r in steps) if steps else None,
-    }
+    summary = StepSummary()
+    for record in records:
+        summary.add(record)
+    return summary.to_dict(header)
+
+
+class StepSummary:
+    """The numbers of :func:`summarize`, kept as records arrive: counts, the last record,
+    running maxima, and the step times of the last ``keep`` steps (all when None).
+
+    Why a window for the times only: the median step time needs the times themselves;
+    everything else is a running count or maximum, so a monitor's summary stays the same
+    size however long the run.
+    """
+
+    def __init__(self, keep: int | None = None) -> None:
+        self.steps = 0
+        self.last: dict[str, Any] = {}
+        self.highest_peak_allocated: int | None = None
+        self.highest_reserved: int | None = None
+        self.seconds: collections.deque[float] = collections.deque(maxlen=keep)
+
+    def add(self, record: Mapping[str, Any]) -> None:
+        if record.get("kind", "step") != "step":
+            return
+        self.steps += 1
+        self.last = dict(record)
+        peak, reserved = record.get("peak_allocated", 0), record.get("peak_reserved", 0)
+        self.highest_peak_allocated = (
+            peak if self.highest_peak_allocated is None else max(self.highest_peak_allocated, peak)
+        )
+        self.highest_reserved = reserved if self.highest_reserved is None else max(self.highest_reserved, reserved)
+        self.seconds.append(record.get("seconds", 0.0))
+
+    def to_dict(self, header: Mapping[str, Any]) -> dict[str, Any]:
+        last = self.last
+        return {
+            "device": header.get("description") or header.get("device"),
+            "capacity": header.get("capacity"),
+            "steps_recorded": self.steps,
+            "last_step": last.get("step"),
+            "allocated": last.get("allocated"),
+            "reserved": last.get("reserved"),
+            "highest_peak_allocated": self.highest_peak_allocated,
+            "highest_reserved": self.highest_reserved,
+            "num_alloc_retries": last.get("num_alloc_retries", 0),
+            "num_ooms": last.get("num_ooms", 0),
+            # the median: the first step pays for warm-up (kernels, lazy imports, optimizer state)
+            "seconds_per_step": statistics.median(self.seconds) if self.seconds else None,
+        }
 
 
 @dataclass
@@ -51,6 +86,11 @@ class RecordedRun:
 
     header: dict[str, Any]
     records: list[dict[str, Any]] = field(default_factory=list)
+    #: findings already worked out over the whole run (a monitor's, whose records are only
+    #: the last ones it kept); None: work them out from ``records``
+    known_findings: list[MemoryFinding] | None = None
+    #: likewise the summary over the whole run
+    known_summary: dict[str, Any] | None = None
 
     @property
     def capacity(self) -> int | None:
@@ -58,11 +98,15 @@ class RecordedRun:
         return int(capacity) if isinstance(capacity, int) else None
 
     def findings(self, window: int | None = None) -> list[MemoryFinding]:
+        if self.known_findings is not None and window is None:
+            return list(self.known_findings)
         return analyze_steps(
             self.records, capacity=self.capacity, window=window or int(self.header.get("window") or DEFAULT_WINDOW)
         )
 
     def summary(self) -> dict[str, Any]:
+        if self.known_summary is not None:
+            return dict(self.known_summary)
         return summarize(self.header, self.records)
 
 
