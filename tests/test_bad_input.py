@@ -1,0 +1,283 @@
+"""Bad input ends in one ``memfit: error:`` line and exit status 2, before the long work (issue 14, items 12-13).
+
+Each case here ended in a traceback (exit 1), was accepted though wrong, or was found only
+after the trials had run. An exception raised by the user's own workload code keeps its
+traceback, after one line naming the workload function.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memfit.environment import system
+from memfit.environment.system import NvidiaFacts, RecordedProbe, TorchFacts
+
+TINY = "mlp:layers=1,width=8,features=8"
+
+
+def one_error_line(status: int, out: str, err: str, *expected: str) -> str:
+    """Assert the command ended as a user error; return its line."""
+    assert status == 2, err
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("memfit: error: "), lines[0]
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+# -- zoo options -------------------------------------------------------------------------
+
+ZOO = [
+    ("gpt2:n_layer=abc", "n_layer must be a positive integer, not 'abc'"),
+    ("gpt2:n_layer=", "zoo option 'n_layer' has no value"),
+    ("gpt2:n_layer=-1", "n_layer must be a positive integer, not -1"),
+    ("gpt2:n_layer=99999999999", "more than any machine can allocate"),
+    ("gpt2:n_head=3,n_embd=128", "`embed_dim` must be divisible by num_heads"),
+    ("gpt2:seq_len=0", "seq_len must be a positive integer, not 0"),
+    ("gpt2:vocab_size=0", "vocab_size must be a positive integer, not 0"),
+    ("gpt2:layer_norm_epsilon=abc", "layer_norm_epsilon must be a number"),
+    ("gpt2:layers=2,n_layer=3", "layers and n_layer are one option"),
+    ("llama-1b:heads=3", "not a multiple of the number of attention heads"),
+    ("resnet50:depths=[0,1]", "depths must be a positive integer"),
+    ("vit-base:image_size=0", "image_size must be a positive integer"),
+    ("mlp:width=99999999999", "zoo workload 'mlp'"),
+    ("mlp:layers=99999999999", "more than any machine can allocate"),
+    ("mlp:features=99999999999", "more than any machine can allocate"),
+    ("convnet:image_size=99999999", "one sample of its batch would take"),
+    ("mlp:layers=1,layers=2", "zoo option 'layers' given twice"),
+]
+
+
+@pytest.mark.parametrize(("ref", "message"), ZOO)
+def test_impossible_or_wrongly_typed_zoo_options_are_one_line(run_cli, ref, message):
+    status, out, err = run_cli("estimate", ref, "--batch-size", "1", "--json")
+    one_error_line(status, out, err, message)
+
+
+# -- workload files ----------------------------------------------------------------------
+
+FILES = [
+    ("syntax.py", "def make(:\n    pass\n", "syntax.py, line 1: invalid syntax"),
+    ("nul.py", "import torch\x00\ndef make(): pass\n", "null bytes"),
+    ("missing.py", "import numpy_that_is_not_there\ndef make(): pass\n", "imports numpy_that_is_not_there"),
+    ("binary.py", b"\xff\xfe\x00\x01garbage", ""),
+]
+
+
+@pytest.mark.parametrize(("name", "source", "message"), FILES)
+def test_a_workload_file_that_cannot_be_imported_is_one_line(run_cli, tmp_path, name, source, message):
+    path = tmp_path / name
+    if isinstance(source, bytes):
+        path.write_bytes(source)
+    else:
+        path.write_text(source)
+    status, out, err = run_cli("measure", f"{path}:make", "--batch-size", "1", "--device", "sim:64MiB")
+    one_error_line(status, out, err, message)
+
+
+BUGGY = """
+import torch, memfit
+
+def make():
+    def loss(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0][:, :4]), batch[1])  # the user's bug
+
+    return memfit.Workload(
+        model=lambda: torch.nn.Linear(8, 2),
+        make_batch=lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),
+        loss=loss,
+    )
+"""
+
+
+def test_an_exception_in_the_users_loss_keeps_its_traceback_after_a_line_naming_it(run_cli, tmp_path):
+    path = tmp_path / "buggy.py"
+    path.write_text(BUGGY)
+    status, out, err = run_cli("measure", f"{path}:make", "--batch-size", "2", "--device", "sim:64MiB")
+    assert status == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert lines[0].startswith(f"memfit: error in the loss of {path}:make: RuntimeError: mat1 and mat2 shapes")
+    assert lines[1] == "Traceback (most recent call last):"
+    assert any(str(path) in line and "in loss" in line for line in lines)  # the user's frame is there
+    assert lines[-1].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_an_exception_at_the_top_of_the_users_file_keeps_its_traceback(run_cli, tmp_path):
+    path = tmp_path / "top.py"
+    path.write_text("raise RuntimeError('configuration missing')\n")
+    status, _, err = run_cli("measure", f"{path}:make", "--batch-size", "2", "--device", "sim:64MiB")
+    lines = err.strip().splitlines()
+    assert status == 1 and lines[0].startswith(f"memfit: error in the top level of {path}")
+    assert lines[-1] == "RuntimeError: configuration missing"
+
+
+# -- input files: env check, report ------------------------------------------------------
+
+
+def bad_files(tmp_path: Path) -> dict[str, Path]:
+    files = {
+        "binary": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",
+        "latin1": b'{"schema": "caf\xe9"}',
+        "deep": b"[" * 100_000 + b"]" * 100_000,
+        "deep-object": b'{"a":' * 200 + b"1" + b"}" * 200,
+        "null": b"null",
+    }
+    paths = {}
+    for name, data in files.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_bytes(data)
+    paths["folder"] = tmp_path
+    return paths
+
+
+@pytest.mark.parametrize("case", ["binary", "latin1", "deep", "deep-object", "null", "folder"])
+def test_env_check_refuses_binary_and_deeply_nested_files_in_one_line(run_cli, tmp_path, case):
+    path = bad_files(tmp_path)[case]
+    status, out, err = run_cli("env", "check", str(path))
+    one_error_line(status, out, err)
+
+
+@pytest.mark.parametrize("case", ["binary", "latin1", "deep", "deep-object", "null"])
+def test_report_refuses_binary_and_deeply_nested_runs_in_one_line(run_cli, tmp_path, case):
+    path = bad_files(tmp_path)[case].rename(tmp_path / f"{case}.jsonl")
+    status, out, err = run_cli("report", str(path))
+    one_error_line(status, out, err)
+    assert not path.with_suffix(".html").exists()
+
+
+HEADER = {"kind": "header", "format": 1, "device": "sim:1GiB", "capacity": 2**30, "window": 10}
+STEP = {"kind": "step", "step": 0, "allocated": 10, "reserved": 20, "peak_allocated": 15, "labels": {}}
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({**STEP, "reserved": "lots"}, "reserved must be a whole number"),
+        ({**STEP, "labels": [1, 2]}, "labels must be an object"),
+        ({**STEP, "seconds": "slow"}, "seconds must be a number"),
+    ],
+)
+def test_report_refuses_records_of_the_wrong_type(run_cli, tmp_path, line, message):
+    run = tmp_path / "run.jsonl"
+    run.write_text(json.dumps(HEADER) + "\n" + json.dumps(line) + "\n" + json.dumps(STEP) + "\n")
+    one_error_line(*run_cli("report", str(run)), message)
+
+
+def a_run(tmp_path: Path) -> Path:
+    run = tmp_path / "run.jsonl"
+    run.write_text(json.dumps(HEADER) + "\n" + json.dumps(STEP) + "\n")
+    return run
+
+
+@pytest.mark.parametrize(
+    ("option", "content", "message"),
+    [
+        ("--plan", {"max_batch_size": 4, "recommended_batch_size": 4, "trials": []}, "not a `memfit plan --json`"),
+        ("--probe", {"workload": "mlp", "candidates": []}, "not a `memfit probe --json` result (no 'max_batch_size')"),
+        ("--estimate", {"name": "something else"}, "not a `memfit estimate --json` result"),
+        ("--plan", {"workload": "mlp", "candidates": [{"peak_reserved": "big"}]}, "candidates[0]: 'peak_reserved'"),
+        ("--probe", [1, 2, 3], "must be a JSON object"),
+    ],
+)
+def test_report_refuses_a_foreign_result(run_cli, tmp_path, option, content, message):
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps(content))
+    run = a_run(tmp_path)
+    one_error_line(*run_cli("report", str(run), option, str(result)), message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "run.jsonl"]  # nothing written
+
+
+# -- output paths, checked before any trial ----------------------------------------------
+
+COUNTING = """
+import pathlib, torch, memfit
+
+def make():
+    def make_batch(n):
+        pathlib.Path(__file__).with_name("a-trial-ran").touch()
+        return torch.randn(n, 8), torch.randint(0, 2, (n,))
+
+    return memfit.Workload(
+        model=lambda: torch.nn.Linear(8, 2),
+        make_batch=make_batch,
+        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
+    )
+"""
+
+
+def unwritable(tmp_path: Path) -> dict[str, str]:
+    """Paths no one can write here, even root: under a regular file, a folder, /proc."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    (tmp_path / "a-folder").mkdir()
+    return {
+        "under a file": str(blocker / "out.png"),
+        "a folder": str(tmp_path / "a-folder"),
+        "in /proc": "/proc/memfit-cannot-write-here.png",
+    }
+
+
+@pytest.mark.parametrize("where", ["under a file", "a folder", "in /proc"])
+@pytest.mark.parametrize("command", ["probe --plot", "plan --plot", "fit --lock", "fit --report-dir"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_trial(run_cli, tmp_path, command, where):
+    workload = tmp_path / "counting.py"
+    workload.write_text(COUNTING)
+    target = unwritable(tmp_path)[where]
+    name, option = command.split()
+    if where == "a folder" and option == "--report-dir":
+        target = str(tmp_path / "a-file")  # a report folder that is a file
+    args = [name, f"{workload}:make", "--device", "sim:64MiB", option, target]
+    if name == "plan":
+        args += ["--target-batch", "4", "--precision", "fp32", "--checkpointing", "none"]
+    if name == "fit":
+        args += ["--no-doctor", "--max-batch-size", "4"]
+        args += ["--report-dir", str(tmp_path / "r")] if option == "--lock" else ["--lock", str(tmp_path / "m.lock")]
+    if name == "probe":
+        args += ["--max-batch-size", "4", "--no-estimate"]
+    one_error_line(*run_cli(*args))
+    assert not (tmp_path / "a-trial-ran").exists()  # refused before the first batch was made
+
+
+@pytest.mark.parametrize("where", ["under a file", "in /proc"])
+def test_report_output_that_cannot_be_written_is_one_line(run_cli, tmp_path, where):
+    target = unwritable(tmp_path)[where].replace(".png", ".html")
+    one_error_line(*run_cli("report", str(a_run(tmp_path)), "-o", target))
+
+
+@pytest.mark.parametrize("where", ["under a file", "in /proc"])
+def test_env_export_into_a_folder_that_cannot_be_written_is_one_line(run_cli, tmp_path, where):
+    target = (
+        str(Path(unwritable(tmp_path)[where]).parent / "env") if where == "in /proc" else unwritable(tmp_path)[where]
+    )
+    one_error_line(*run_cli("env", "export", "-o", target))
+
+
+# -- allocator settings torch refuses ------------------------------------------------------
+
+
+def test_doctor_counts_an_allocator_setting_torch_refuses_as_an_error(run_cli, monkeypatch):
+    """Before, `expandable_segment:True` (a typo torch refuses at CUDA's start) was a warning: exit 0."""
+
+    def machine(environ: dict[str, str]) -> RecordedProbe:
+        return RecordedProbe(
+            nvidia=NvidiaFacts(error="NVML Shared Library Not Found"),
+            torch=TorchFacts(version="2.13.0+cpu"),
+            environ=environ,
+        )
+
+    monkeypatch.setattr(system, "current_probe", lambda: machine({}))
+    status, out, _ = run_cli("doctor", "--json")
+    assert status == 0 and not [f for f in json.loads(out)["findings"] if f["severity"] == "error"]
+    monkeypatch.setattr(
+        system, "current_probe", lambda: machine({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segment:True"})
+    )
+    status, out, _ = run_cli("doctor", "--json")
+    errors = [f for f in json.loads(out)["findings"] if f["severity"] == "error"]
+    assert status == 1
+    assert [f["check"] for f in errors] == ["allocator"]
+    assert errors[0]["fix"] == "replace expandable_segment with expandable_segments in PYTORCH_CUDA_ALLOC_CONF"

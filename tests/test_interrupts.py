@@ -1,0 +1,158 @@
+"""SIGINT and SIGTERM at any moment leave no temp file and no half-written file; SIGTERM ends a
+command like Ctrl-C (issue 14, item 11).
+
+A child process writes a large file over and over through ``memfit._io.write_atomically``
+(the one writer of reports, figures, locks and environment files) while the test sends it
+a signal at a different moment each time; the folder must then hold the whole previous
+file or the whole new one, and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import memfit
+from memfit._io import signals_held, write_atomically
+from memfit.cli import EXIT_SIGINT, EXIT_SIGTERM, sigterm_ends_like_sigint
+
+SOURCE = str(Path(memfit.__file__).resolve().parents[1])
+#: one payload of the writer: big enough that a write takes a while, so signals land inside it
+PAYLOAD_BYTES = 8 * 2**20
+
+WRITER = f"""
+import os, sys
+sys.path.insert(0, {SOURCE!r})
+from memfit._io import write_atomically
+from memfit.cli import main, sigterm_ends_like_sigint, Terminated
+
+def payload(n):
+    head = b"memfit payload %08d\\n" % n
+    return head + bytes([n % 251]) * ({PAYLOAD_BYTES} - 2 * len(head)) + head
+
+n = 0
+try:
+    with sigterm_ends_like_sigint():
+        open("ready", "w").close()
+        while True:
+            write_atomically("report.html", payload(n))
+            n += 1
+except KeyboardInterrupt:
+    sys.exit(130)
+except Terminated:
+    sys.exit(143)
+"""
+
+
+def whole(data: bytes) -> bool:
+    """True when ``data`` is one complete payload of the writer."""
+    head = data[: data.index(b"\n") + 1]
+    return len(data) == PAYLOAD_BYTES and data.endswith(head) and head.startswith(b"memfit payload ")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_at_any_moment_leaves_the_old_file_or_the_new_one_and_nothing_else(tmp_path, sig):
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    chance = random.Random(20240 + sig)
+    outcomes = []
+    for moment in range(12):
+        folder = tmp_path / f"run-{moment}"
+        folder.mkdir()
+        child = subprocess.Popen([sys.executable, str(script)], cwd=folder)
+        try:
+            while not (folder / "ready").exists() and child.poll() is None:
+                time.sleep(0.005)
+            time.sleep(chance.uniform(0.0, 0.4))  # a different moment of a write each time
+            child.send_signal(sig)
+            status = child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        left = sorted(p.name for p in folder.iterdir())
+        assert status == (EXIT_SIGINT if sig == signal.SIGINT else EXIT_SIGTERM)
+        assert [name for name in left if name.endswith(".tmp") or name.startswith(".")] == [], left
+        if "report.html" in left:
+            assert whole((folder / "report.html").read_bytes())
+        outcomes.append(left)
+    assert any("report.html" in left for left in outcomes)  # the signals did land during the writes
+
+
+def test_a_signal_held_during_a_write_is_delivered_after_it(tmp_path):
+    target = tmp_path / "lock"
+    with pytest.raises(KeyboardInterrupt), signals_held():
+        os.kill(os.getpid(), signal.SIGINT)  # arrives mid-way: held
+        write_atomically(target, "whole\n")
+    assert target.read_text() == "whole\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]
+
+
+def test_sigterm_raises_terminated_only_inside_the_block():
+    from memfit.cli import Terminated
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated), sigterm_ends_like_sigint():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sig", "status", "line"),
+    [(signal.SIGINT, 130, "memfit: aborted"), (signal.SIGTERM, 143, "memfit: aborted (SIGTERM)")],
+)
+def test_sigterm_ends_a_command_like_ctrl_c(tmp_path, sig, status, line):
+    """A probe interrupted during its trials: one line, the documented status, no traceback, no file."""
+    workload = tmp_path / "slow.py"
+    workload.write_text(
+        "import pathlib, time, torch, memfit\n"
+        "def make():\n"
+        "    def make_batch(n):\n"
+        "        pathlib.Path('started').touch()\n"
+        "        time.sleep(0.2)\n"
+        "        return torch.randn(n, 8), torch.randint(0, 2, (n,))\n"
+        "    return memfit.Workload(model=lambda: torch.nn.Linear(8, 2), make_batch=make_batch,\n"
+        "        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))\n"
+    )
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "memfit",
+            "probe",
+            "slow.py:make",
+            "--device",
+            "sim:64MiB",
+            "--no-estimate",
+            "--plot",
+            "probe.png",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": SOURCE},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 50
+        while not (tmp_path / "started").exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.send_signal(sig)
+        _, err = child.communicate(timeout=50)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == status, err[-2000:]
+    assert err.strip().splitlines()[-1] == line and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.py", "started"]  # no plot, no temp file
