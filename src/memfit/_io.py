@@ -112,6 +112,9 @@ def _fsync_directory(folder: Path) -> None:
 def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, encoding: str = "utf-8") -> Path:
     """Write ``data`` to ``path`` atomically and durably; return the path.
 
+    An OSError (a full disk, a folder that cannot be written) becomes a one-line
+    :class:`~memfit.errors.MemfitError`; the temp file is removed first.
+
     Args:
         path: the file to write; its folder is created when missing.
         data: the whole content; text is encoded with ``encoding``.
@@ -119,6 +122,15 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, encodin
     """
     target = Path(path)
     payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
+    try:
+        _write(target, payload)
+    except OSError as error:  # a full disk, a read-only folder: the user's to fix, in one line
+        raise MemfitError(f"cannot write {target}: {error.strerror or error}") from None
+    return target
+
+
+def _write(target: Path, payload: bytes) -> None:
+    """The write itself: a temp file beside the target, fsynced, renamed, the folder fsynced."""
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         mode = target.stat().st_mode & 0o7777
@@ -138,7 +150,6 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, encodin
                 os.unlink(temp)
             raise
         _fsync_directory(target.parent)
-    return target
 
 
 def _nearest_existing(path: Path) -> Path:

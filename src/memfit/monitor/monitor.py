@@ -198,8 +198,15 @@ class Monitor:
             self.device.reset_peak_memory_stats()
             self.header = self._make_header()
             if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = self.path.open("w", encoding="utf-8")
+                # a log, appended to step by step (a run that dies keeps its steps so far), so
+                # not written atomically; read_run skips a last line cut short
+                try:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._file = self.path.open("w", encoding="utf-8")
+                except OSError as error:
+                    raise MemfitError(
+                        f"cannot write the monitor's file {self.path}: {error.strerror or error}"
+                    ) from None
                 self._write(self.header)
         except BaseException:
             self._close()

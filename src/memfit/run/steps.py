@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device
 from memfit.memory.tracker import labelled
 from memfit.run.settings import Settings, autocast, make_scaler
@@ -108,6 +108,7 @@ def _one_step(
             batch = move_to(workload.make_batch(settings.micro_batch_size), device.torch_device)
             with autocast(settings.precision, device.autocast_device_type):
                 loss = workload.loss(model, batch)
+            _check_loss(workload, loss)
             loss = loss / settings.accumulation_steps
         with labelled(phase="backward", step=step):
             scaler.scale(loss).backward()
@@ -118,6 +119,30 @@ def _one_step(
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
     return total
+
+
+def _check_loss(workload: Workload, loss: object) -> None:
+    """A loss memfit can call backward on: one element, connected to the parameters.
+
+    Why here, with one line: what a workload's loss returns is the workload's contract;
+    a tensor of losses, ``loss.item()`` or a detached copy would otherwise surface as
+    autograd's traceback from inside memfit.
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise WorkloadError(
+            f"workload {workload.name!r}: its loss returned {type(loss).__name__}, not a tensor "
+            "(return the loss tensor, not loss.item())"
+        )
+    if loss.numel() != 1:
+        raise WorkloadError(
+            f"workload {workload.name!r}: its loss returned a tensor of shape {list(loss.shape)}, not one "
+            "number (reduce it, with .mean() for instance)"
+        )
+    if not loss.requires_grad:
+        raise WorkloadError(
+            f"workload {workload.name!r}: its loss does not depend on the model's parameters "
+            "(requires_grad is False: a detached copy, or computed under torch.no_grad())"
+        )
 
 
 def _is_on(model: nn.Module, where: torch.device) -> bool:
