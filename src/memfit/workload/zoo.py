@@ -162,8 +162,10 @@ def _check_size(name: str, key: str, value: Any) -> None:
 
 def _check_field(name: str, key: str, value: Any, default: Any, is_size: bool) -> None:
     """A config option: a size is positive, and a value has the type of the field's default."""
-    numeric = _is_whole(value) or isinstance(value, list)
-    if is_size and value is not None and (_is_whole(default) or isinstance(default, list) or numeric):
+    if is_size and value is not None and (_is_whole(default) or isinstance(default, list) or _is_whole(value)):
+        if isinstance(value, list) != isinstance(default, list) and default is not None:
+            kind = "a list of positive integers" if isinstance(default, list) else "a positive integer"
+            raise WorkloadError(f"zoo workload {name!r}: {key} must be {kind}, not {value!r}")
         _check_size(name, key, value)
         return
     expected: tuple[type, ...] | None = None
