@@ -176,7 +176,8 @@ def _leave(orderly: bool) -> None:
         if orderly and me == 0 and store is not None:
             others = [f"memfit/left/{rank}" for rank in range(1, dist.get_world_size())]
             with contextlib.suppress(Exception):  # a rank that died: leave anyway
-                store.wait(others, datetime.timedelta(seconds=collective_timeout()))
+                # the others only destroy their group now: seconds, so no need for the full timeout
+                store.wait(others, datetime.timedelta(seconds=min(collective_timeout(), _LEAVE_WAIT)))
         dist.destroy_process_group()
         _state.own_gloo_group = False
         if orderly and me != 0 and store is not None:
@@ -260,6 +261,8 @@ def _describe_failure(name: str, entered: int, seconds: float, error: BaseExcept
     )
 
 
+#: the most seconds rank 0 waits, when leaving, for the others to have left
+_LEAVE_WAIT = 60.0
 #: seconds past the timeout memfit's wait leaves a gloo group it made to fail on its own
 _OWN_GROUP_GRACE = 5.0
 
