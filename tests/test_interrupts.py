@@ -156,3 +156,27 @@ def test_sigterm_ends_a_command_like_ctrl_c(tmp_path, sig, status, line):
     assert child.returncode == status, err[-2000:]
     assert err.strip().splitlines()[-1] == line and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.py", "started"]  # no plot, no temp file
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_that_lands_in_a_finalizer_is_not_lost(sig):
+    """The tracker frees tensors in weakref callbacks; a signal handled there used to be
+    printed as "Exception ignored" and dropped, and the command ran on."""
+    import weakref
+
+    from memfit.cli import Terminated, interrupts_not_lost
+
+    class Storage:
+        pass
+
+    def freed(_ref: object) -> None:
+        os.kill(os.getpid(), sig)  # the handler runs here, inside the callback
+        time.sleep(0.01)
+
+    expected = KeyboardInterrupt if sig == signal.SIGINT else Terminated
+    with pytest.raises(expected), sigterm_ends_like_sigint(), interrupts_not_lost():
+        storage = Storage()
+        watcher = weakref.ref(storage, freed)
+        del storage  # the callback runs, its exception cannot propagate
+        assert watcher() is None
+        time.sleep(5)  # the signal comes again from the helper thread and ends the block

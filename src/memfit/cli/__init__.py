@@ -28,6 +28,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -103,6 +104,41 @@ def sigterm_ends_like_sigint() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def interrupts_not_lost() -> Iterator[None]:
+    """While the block runs, an interrupt that lands in a finalizer is delivered again.
+
+    Why: Python runs a signal's handler wherever the main thread is, a weakref callback
+    included (the storage tracker frees every tensor in one); an exception raised there
+    cannot propagate, so Python prints "Exception ignored in ..." and Ctrl-C is lost while
+    the command runs on. The hook sends the signal again from a helper thread a moment
+    later, when the main thread is back in ordinary code, and prints nothing.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        again = (
+            signal.SIGINT
+            if isinstance(error, KeyboardInterrupt)
+            else signal.SIGTERM
+            if isinstance(error, Terminated)
+            else None
+        )
+        if again is None:
+            previous(unraisable)
+            return
+        timer = threading.Timer(0.01, os.kill, (os.getpid(), again))
+        timer.daemon = True
+        timer.start()
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def main(argv: list[str] | None = None, within: Callable[[], AbstractContextManager[object]] | None = None) -> int:
     """Run the command line; return the exit status instead of raising SystemExit.
 
@@ -112,7 +148,8 @@ def main(argv: list[str] | None = None, within: Callable[[], AbstractContextMana
             its errors and interrupts end the same way as the command's.
     """
     try:
-        with sigterm_ends_like_sigint(), within() if within is not None else contextlib.nullcontext():
+        around = within() if within is not None else contextlib.nullcontext()
+        with sigterm_ends_like_sigint(), interrupts_not_lost(), around:
             result = cli.main(args=argv, prog_name="memfit", standalone_mode=False)
     except MemfitError as error:
         return _user_error(str(error))
