@@ -372,7 +372,7 @@ def workload_file_cases() -> list[Case]:
             measure,
             expect="user-code",
             setup=_workload(wl(loss="lambda m, b: m(b[0][:, :3]).sum()")),
-            message="the loss of wl.py:make",
+            message="a lambda (wl.py, line 3) of the workload wl.py:make",
             quick=True,
         ),
         Case(
@@ -381,7 +381,7 @@ def workload_file_cases() -> list[Case]:
             measure,
             expect="user-code",
             setup=_workload(wl(batch="lambda n: {}['missing']")),
-            message="make_batch of wl.py:make",
+            message="of the workload wl.py:make",
         ),
         Case(
             "workload files",
@@ -389,7 +389,7 @@ def workload_file_cases() -> list[Case]:
             measure,
             expect="user-code",
             setup=_workload(wl(model="lambda: torch.nn.Linear(8)")),
-            message="the model factory of wl.py:make",
+            message="a lambda (wl.py, line 3) of the workload wl.py:make",
         ),
         Case(
             "workload files",
@@ -397,7 +397,7 @@ def workload_file_cases() -> list[Case]:
             measure,
             expect="user-code",
             setup=_workload("def make():\n    raise KeyError('config')\n"),
-            message="the workload function make",
+            message="make (wl.py, line 3) of the workload wl.py:make",
         ),
         Case(
             "workload files",
@@ -405,7 +405,7 @@ def workload_file_cases() -> list[Case]:
             measure,
             expect="user-code",
             setup=_write("wl.py", "raise RuntimeError('no data dir')\n"),
-            message="the top level of wl.py",
+            message="the top level (wl.py, line 1) of the workload wl.py:make",
         ),
         Case(
             "workload files",
@@ -413,7 +413,7 @@ def workload_file_cases() -> list[Case]:
             measure,
             expect="user-code",
             setup=_workload(wl(batch="lambda n: (_ for _ in ()).throw(MemoryError())")),
-            message="make_batch of wl.py:make",
+            message="of the workload wl.py:make",
         ),
     ]
 

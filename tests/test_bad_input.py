@@ -101,7 +101,9 @@ def test_an_exception_in_the_users_loss_keeps_its_traceback_after_a_line_naming_
     status, out, err = run_cli("measure", f"{path}:make", "--batch-size", "2", "--device", "sim:64MiB")
     assert status == 1 and out == ""
     lines = err.strip().splitlines()
-    assert lines[0].startswith(f"memfit: error in the loss of {path}:make: RuntimeError: mat1 and mat2 shapes")
+    assert lines[0].startswith(
+        f"memfit: error in loss (buggy.py, line 6) of the workload {path}:make: RuntimeError: mat1 and mat2 shapes"
+    )
     assert lines[1] == "Traceback (most recent call last):"
     assert any(str(path) in line and "in loss" in line for line in lines)  # the user's frame is there
     assert lines[-1].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied")
@@ -112,7 +114,9 @@ def test_an_exception_at_the_top_of_the_users_file_keeps_its_traceback(run_cli, 
     path.write_text("raise RuntimeError('configuration missing')\n")
     status, _, err = run_cli("measure", f"{path}:make", "--batch-size", "2", "--device", "sim:64MiB")
     lines = err.strip().splitlines()
-    assert status == 1 and lines[0].startswith(f"memfit: error in the top level of {path}")
+    assert status == 1 and lines[0].startswith(
+        f"memfit: error in the top level (top.py, line 1) of the workload {path}"
+    )
     assert lines[-1] == "RuntimeError: configuration missing"
 
 

@@ -6,19 +6,16 @@ status 2, without a traceback. Everything else is a bug, in memfit or in the use
 and propagates unchanged.
 
 An exception raised inside the user's own workload code (its model, its batches, its
-loss) is such a bug: it keeps its traceback, since that is where the bug is. memfit only
-notes which workload function raised it (:func:`note_workload_code`), so the command line
-can name that function in one line before the traceback.
-
->>> error = ValueError("shapes do not match")
->>> note_workload_code(error, "the loss of train.py:make_workload")
->>> workload_code_of(error)
-'the loss of train.py:make_workload'
+loss) is such a bug: it keeps its traceback, since that is where the bug is. memfit
+remembers which files hold workload code (:func:`register_workload_source`, as a workload
+file or module is loaded); :func:`workload_code_of` finds the innermost frame of an
+exception's traceback in one of them, so the command line can name that function in one
+line before the traceback.
 """
 
 from __future__ import annotations
 
-import contextlib
+import os
 
 __all__ = [
     "MemfitError",
@@ -26,12 +23,12 @@ __all__ = [
     "DeviceError",
     "DoesNotFitError",
     "RankTimeoutError",
-    "note_workload_code",
+    "register_workload_source",
     "workload_code_of",
 ]
 
-#: the attribute an exception raised in workload code carries: which function raised it
-_WORKLOAD_CODE = "__memfit_workload_code__"
+#: source files of the user's workload code (absolute path) -> the reference loaded from them
+_WORKLOAD_SOURCES: dict[str, str] = {}
 
 
 class MemfitError(Exception):
@@ -54,19 +51,44 @@ class RankTimeoutError(MemfitError):
     """Another rank of a distributed job did not answer a memfit collective in time."""
 
 
-def note_workload_code(error: BaseException, where: str) -> None:
-    """Record, on ``error``, the workload function it came from (the innermost one wins).
+def register_workload_source(path: str | os.PathLike[str], ref: str) -> None:
+    """Remember that ``path`` holds workload code, loaded for the reference ``ref``.
 
     Args:
-        error: the exception, left otherwise unchanged (its type, message, traceback).
-        where: the function, as people name it (``"the loss of train.py:make_workload"``).
+        path: the source file (a workload file, or a module's ``__file__``).
+        ref: the reference the user gave (``"train.py:make_workload"``).
     """
-    if getattr(error, _WORKLOAD_CODE, None) is None:
-        with contextlib.suppress(AttributeError, TypeError):  # a type that takes no attributes
-            setattr(error, _WORKLOAD_CODE, where)
+    _WORKLOAD_SOURCES[os.path.realpath(path)] = ref
 
 
 def workload_code_of(error: BaseException) -> str | None:
-    """The workload function ``error`` came from, or None when it did not come from one."""
-    where = getattr(error, _WORKLOAD_CODE, None)
-    return where if isinstance(where, str) else None
+    """Where in the user's workload code ``error`` was raised, in words; None when not there.
+
+    The innermost frame of the traceback that lies in a registered workload source: that
+    is the user's function that raised it (or called what raised it).
+
+    >>> import tempfile, pathlib
+    >>> source = pathlib.Path(tempfile.mkdtemp()) / "train.py"
+    >>> _ = source.write_text(chr(10).join(["def loss(model, batch):", "    return batch[0] / 0", ""]))
+    >>> namespace = {}
+    >>> exec(compile(source.read_text(), str(source), "exec"), namespace)
+    >>> register_workload_source(source, "train.py:make")
+    >>> try:
+    ...     namespace["loss"](None, [1])
+    ... except ZeroDivisionError as error:
+    ...     print(workload_code_of(error))
+    loss (train.py, line 2) of the workload train.py:make
+    """
+    found = None
+    frame = error.__traceback__
+    while frame is not None:
+        code = frame.tb_frame.f_code
+        ref = _WORKLOAD_SOURCES.get(os.path.realpath(code.co_filename))
+        if ref is not None:
+            found = (code.co_name, code.co_filename, frame.tb_lineno, ref)
+        frame = frame.tb_next
+    if found is None:
+        return None
+    name, filename, line, ref = found
+    what = {"<module>": "the top level", "<lambda>": "a lambda"}.get(name, name)
+    return f"{what} ({os.path.basename(filename)}, line {line}) of the workload {ref}"

@@ -13,29 +13,25 @@ What goes wrong in the user's file is told apart from what goes wrong in their c
   installed) is a :class:`~memfit.errors.WorkloadError`: one line, exit status 2;
 - an exception raised *by* their code (the file's own top level, the workload function,
   the model factory, ``make_batch``, ``loss``, ``optimizer``) keeps its traceback, which
-  is where their bug is; memfit notes which function raised it
-  (:func:`memfit.errors.note_workload_code`) so the command line names it first.
+  is where their bug is; the file is registered as workload code
+  (:func:`memfit.errors.register_workload_source`) so the command line names the
+  function first. The Workload the user's function returns is left as it is.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from torch import nn
-
-from memfit.errors import WorkloadError, note_workload_code
+from memfit.errors import WorkloadError, register_workload_source
 from memfit.workload import zoo
-from memfit.workload.spec import Workload, default_optimizer
-
-F = TypeVar("F", bound=Callable[..., Any])
+from memfit.workload.spec import Workload
 
 __all__ = ["load_workload"]
 
@@ -111,12 +107,8 @@ def _importing(shown: str, ref: str, module_name: str = "") -> Iterator[None]:
     except (SyntaxError, ValueError, ImportError) as error:
         problem = _import_problem(error, shown, ref)
         if problem is None:
-            note_workload_code(error, f"the top level of {shown} ({ref})")
-            raise
+            raise  # an error of the module's own code: its traceback, named by the command line
         raise problem from None
-    except Exception as error:
-        note_workload_code(error, f"the top level of {shown} ({ref})")
-        raise
 
 
 def _from_file(path_text: str, function: str, ref: str) -> Workload:
@@ -131,6 +123,7 @@ def _from_file(path_text: str, function: str, ref: str) -> Workload:
         raise WorkloadError(f"workload {ref!r}: cannot import {path_text}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    register_workload_source(path, ref)
     try:
         with _importing(path_text, ref):
             spec.loader.exec_module(module)
@@ -142,38 +135,11 @@ def _from_file(path_text: str, function: str, ref: str) -> Workload:
 
 def _from_module(module_name: str, function: str, ref: str) -> Workload:
     with _importing(module_name, ref, module_name):
+        spec = importlib.util.find_spec(module_name)
+        if spec is not None and spec.origin and spec.has_location:
+            register_workload_source(spec.origin, ref)  # before its code runs, so its errors are named
         module = importlib.import_module(module_name)
     return _call_factory(module, function, ref)
-
-
-def _attributed(function: F, where: str) -> F:
-    """``function``, noting on any exception it raises that it came from ``where``."""
-
-    @functools.wraps(function)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        except Exception as error:
-            note_workload_code(error, where)
-            raise
-
-    return call  # type: ignore[return-value]
-
-
-def attribute_workload_code(workload: Workload, ref: str) -> Workload:
-    """The same workload, its functions noting where an exception they raise came from.
-
-    Args:
-        workload: a workload made by the user's code.
-        ref: its reference, to name it in messages.
-    """
-    if not isinstance(workload.model, nn.Module):
-        workload.model = _attributed(workload.model, f"the model factory of {ref}")
-    workload.make_batch = _attributed(workload.make_batch, f"make_batch of {ref}")
-    workload.loss = _attributed(workload.loss, f"the loss of {ref}")
-    if workload.optimizer is not default_optimizer:
-        workload.optimizer = _attributed(workload.optimizer, f"the optimizer of {ref}")
-    return workload
 
 
 def _call_factory(module: Any, function: str, ref: str) -> Workload:
@@ -195,9 +161,9 @@ def _call_factory(module: Any, function: str, ref: str) -> Workload:
         raise WorkloadError(
             f"workload {ref!r}: {function} must take no required arguments (it needs {', '.join(required)})"
         )
-    workload = _attributed(factory, f"the workload function {function} ({ref})")()
+    workload = factory()
     if not isinstance(workload, Workload):
         raise WorkloadError(f"workload {ref!r}: {function} returned {type(workload).__name__}, not a memfit.Workload")
     if workload.name == "workload":
         workload.name = ref
-    return attribute_workload_code(workload, ref)
+    return workload
