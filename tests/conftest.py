@@ -9,6 +9,13 @@ import pytest
 from memfit.workload.zoo import TINY as TINY_ZOO
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Why absolute: tests start `python -m memfit` in a temporary folder; a relative PYTHONPATH
+# (`PYTHONPATH=src`, as a checkout runs the suite) would then point nowhere, and the child
+# would import another copy of memfit (an editable install's) instead of this checkout's.
+if os.environ.get("PYTHONPATH"):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        os.path.abspath(part) for part in os.environ["PYTHONPATH"].split(os.pathsep) if part
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
