@@ -225,6 +225,11 @@ def zoo_cases() -> list[Case]:
         ("mlp:depth=3", "unknown option 'depth'"),
         ("convnet:image_size=99999999", "one sample of its batch"),
         ("convnet:channels=-1", "positive integer"),
+        ("gpt:layers=99999999999", "more than any machine can allocate"),
+        ("gpt:heads=3,embd=128", "must be divisible by heads"),
+        ("gpt:dropout=2", "probability"),
+        ("lstm-lm:layers=99999999999", "more than any machine can allocate"),
+        ("lstm-lm:hidden=0", "positive integer"),
         ("gtp2", "unknown workload 'gtp2'"),
         ("   ", "empty workload reference"),
     ]

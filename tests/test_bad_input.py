@@ -49,8 +49,18 @@ ZOO = [
     ("mlp:layers=99999999999", "more than any machine can allocate"),
     ("mlp:features=99999999999", "more than any machine can allocate"),
     ("convnet:image_size=99999999", "one sample of its batch would take"),
+    ("lstm-lm:layers=99999999999", "more than any machine can allocate"),
+    ("gpt:layers=99999999999", "more than any machine can allocate"),
     ("mlp:layers=1,layers=2", "zoo option 'layers' given twice"),
 ]
+
+
+def test_every_zoo_entry_names_its_depth_option():
+    """The size check builds one and two blocks of the depth option; an entry without one
+    would build all its blocks (`lstm-lm:layers=99999999999` would never end)."""
+    from memfit.workload import zoo
+
+    assert set(zoo._REPEATED) == set(zoo.ENTRIES)
 
 
 @pytest.mark.parametrize(("ref", "message"), ZOO)

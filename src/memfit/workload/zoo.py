@@ -46,6 +46,7 @@ import ast
 import contextlib
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -215,7 +216,9 @@ def check_buildable(workload: Workload, name: str) -> int:
         name: its name, for messages.
     """
     try:
-        with _no_dispatch_modes(), torch.device("meta"):
+        # warnings.catch_warnings: a one-block probe build may warn (LSTM dropout with one layer)
+        with _no_dispatch_modes(), torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             nbytes = _parameter_bytes(workload.build_model())
             sample = _tensor_bytes(workload.make_batch(1))
     except (ValueError, RuntimeError, TypeError, AttributeError, AssertionError) as error:
@@ -655,6 +658,7 @@ _REPEATED: dict[str, str] = {
     "mlp": "layers",
     "convnet": "blocks",
     "gpt": "layers",
+    "lstm-lm": "layers",
     "gpt2": "n_layer",
     "bert-base": "num_hidden_layers",
     "vit-base": "num_hidden_layers",
