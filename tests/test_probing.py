@@ -235,22 +235,22 @@ def scan_maximum(ref: str, spec: str, beyond: int = 2) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize(("ref", "spec"), ZOO)
 def test_probe_equals_an_exhaustive_scan_on_sim(ref: str, spec: str) -> None:
-    result = probe(ref, spec, headroom=0, guess=None)
+    result = probe(ref, spec, headroom=0, guess=None, trials="real")
     assert result.max_batch_size == scan_maximum(ref, spec)
     assert result.trial_steps == TRIAL_STEPS * len(result.trials)
 
 
 def test_probe_with_the_right_guess_proves_it_in_two_trials() -> None:
     ref, spec = FAST
-    first = probe(ref, spec, headroom=0)
-    again = probe(ref, spec, headroom=0, guess=first.max_batch_size)
+    first = probe(ref, spec, headroom=0, trials="real")
+    again = probe(ref, spec, headroom=0, guess=first.max_batch_size, trials="real")
     assert [t.batch_size for t in again.trials] == [first.max_batch_size, first.max_batch_size + 1]
     assert again.max_batch_size == first.max_batch_size
 
 
 def test_probe_multiple_of() -> None:
     ref, spec = FAST
-    result = probe(ref, spec, headroom=0, multiple_of=4, guess=None)
+    result = probe(ref, spec, headroom=0, multiple_of=4, guess=None, trials="real")
     assert result.max_batch_size % 4 == 0
     assert all(t.batch_size % 4 == 0 for t in result.trials)
     assert memfit.measure(ref, result.max_batch_size, spec).fits
@@ -393,8 +393,8 @@ def test_a_device_without_a_limit_needs_max_batch_size() -> None:
 )
 def test_probe_starting_at_the_estimate_is_exact_in_at_most_three_trials(ref, spec):
     """Issue 4: with the device's memory known, probe starts at memfit.estimate's answer."""
-    from_scratch = probe(ref, spec, headroom=0, guess=None)
-    from_estimate = probe(ref, spec, headroom=0)  # the default: start at the estimate
+    from_scratch = probe(ref, spec, headroom=0, guess=None, trials="real")
+    from_estimate = probe(ref, spec, headroom=0, trials="real")  # the default: start at the estimate
     assert from_estimate.max_batch_size == from_scratch.max_batch_size
     assert len(from_estimate.trials) <= 3 < len(from_scratch.trials)
 

@@ -13,6 +13,7 @@ from memfit.cli.options import (
     json_option,
     print_json,
     settings_axes_options,
+    trials_option,
     workload_argument,
 )
 from memfit.memory.devices import device
@@ -20,6 +21,7 @@ from memfit.search.fit import fit
 
 if TYPE_CHECKING:
     from memfit.run.settings import Checkpointing, Precision
+    from memfit.search.trials import TrialKind
 
 
 @click.command("fit")
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
     metavar="NAME",
     help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM).",
 )
+@trials_option
 @json_option
 def command(
     workload: str,
@@ -85,6 +88,7 @@ def command(
     report_dir: str,
     no_doctor: bool,
     speed_gpu: str | None,
+    trials: str,
     as_json: bool,
 ) -> None:
     """Find what fits and the fastest settings for WORKLOAD; write memfit.lock and a report."""
@@ -104,6 +108,7 @@ def command(
         run_doctor=not no_doctor,
         say=say,
         speed_gpu=speed_gpu,
+        trials=cast("TrialKind", trials),
     )
     if as_json:
         print_json(result.to_dict())

@@ -120,6 +120,17 @@ def settings_options(function: F) -> F:
     )(function)
 
 
+def trials_option(function: F) -> F:
+    """--trials auto|fake|real: what probe's and plan's trials run (see memfit.search.trials)."""
+    return click.option(
+        "--trials",
+        type=click.Choice(["auto", "fake", "real"]),
+        default="auto",
+        show_default=True,
+        help="auto: on a sim device, search on fake tensors and confirm the answer with real runs; real: every trial real.",
+    )(function)
+
+
 def json_option(function: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")(function)
 

@@ -15,6 +15,7 @@ from memfit.cli.options import (
     json_option,
     print_json,
     settings_axes_options,
+    trials_option,
     workload_argument,
 )
 from memfit.memory.devices import device
@@ -24,6 +25,7 @@ from memfit.workload import load_workload
 
 if TYPE_CHECKING:
     from memfit.run.settings import Checkpointing, Precision
+    from memfit.search.trials import TrialKind
 
 
 @click.command("plan")
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     metavar="NAME",
     help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM).",
 )
+@trials_option
 @json_option
 def command(
     workload: str,
@@ -72,6 +75,7 @@ def command(
     reference_batch: int | None,
     plot: str | None,
     speed_gpu: str | None,
+    trials: str,
     as_json: bool,
 ) -> None:
     """Choose micro-batch, accumulation, precision and checkpointing that reach TARGET fastest."""
@@ -83,7 +87,8 @@ def command(
 
     def progress(c: Candidate) -> None:
         s = c.settings
-        err_console.print(f"  tried micro-batch {s.micro_batch_size} {s.precision} {s.checkpointing}: {c.status}")
+        ran = " (fake tensors)" if c.measurement is not None and c.measurement.fake else ""
+        err_console.print(f"  tried micro-batch {s.micro_batch_size} {s.precision} {s.checkpointing}: {c.status}{ran}")
 
     result = plan(
         wl,
@@ -96,6 +101,8 @@ def command(
         headroom=headroom,
         progress=None if as_json else progress,
         speed_gpu=speed_gpu,
+        trials=cast("TrialKind", trials),
+        say=None if as_json else (lambda text: err_console.print(f"  {text}")),
     )
     if plot:
         write_plot(result, plot)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import click
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -26,6 +27,7 @@ from memfit.cli.options import (
     make_settings,
     print_json,
     settings_options,
+    trials_option,
     workload_argument,
 )
 from memfit.distributed import process_group
@@ -37,6 +39,9 @@ from memfit.search.probe import ProbeResult, probe
 from memfit.search.probe import Progress as ProgressCallback
 from memfit.units import format_size
 from memfit.workload import load_workload
+
+if TYPE_CHECKING:
+    from memfit.search.trials import TrialKind
 
 #: the bar's length: the search usually proves its answer within this many trials
 EXPECTED_TRIALS = 10
@@ -68,6 +73,7 @@ EXPECTED_TRIALS = 10
 )
 @click.option("--no-estimate", is_flag=True, help="Search from batch 1 instead of starting at the estimate.")
 @settings_options
+@trials_option
 @click.option(
     "--plot",
     "plot_path",
@@ -88,6 +94,7 @@ def command(
     no_estimate: bool,
     precision: str,
     checkpointing: str,
+    trials: str,
     plot_path: Path | None,
     as_json: bool,
 ) -> None:
@@ -114,6 +121,8 @@ def command(
                 headroom=headroom,
                 guess=guess if guess is not None or no_estimate else "estimate",
                 progress=progress,
+                trials=cast("TrialKind", trials),
+                say=(lambda text: err_console.print(f"memfit probe · {text}")) if main else None,
             )
     if not main:
         return
@@ -134,7 +143,7 @@ def command(
 def trials_table(result: ProbeResult, gpu: Device) -> Table:
     """One row per trial, in the order they ran."""
     table = Table(title=f"memfit probe · {result.workload} on {gpu.describe()}")
-    for column in ("#", "batch size", "fits", "peak allocated", "peak reserved", "of capacity", "samples/s"):
+    for column in ("#", "batch size", "fits", "peak allocated", "peak reserved", "of capacity", "samples/s", "run on"):
         table.add_column(column, justify="right")
     for index, trial in enumerate(result.trials, 1):
         share = f"{trial.peak_reserved / result.capacity:.0%}" if result.capacity else "-"
@@ -146,6 +155,7 @@ def trials_table(result: ProbeResult, gpu: Device) -> Table:
             format_size(trial.peak_reserved),
             share if trial.fits else "-",
             f"{trial.samples_per_second:.1f}" if trial.samples_per_second else "-",
+            "fake tensors" if trial.fake else "device",
         )
     return table
 
@@ -195,7 +205,7 @@ def _progress_bar(enabled: bool) -> Iterator[ProgressCallback | None]:
         if measurement is None:
             bar.update(task, description=f"batch {batch_size}")
             return
-        verdict = "fits" if measurement.fits else "out of memory"
+        verdict = ("fits" if measurement.fits else "out of memory") + (" (fake tensors)" if measurement.fake else "")
         done = bar.tasks[task].completed + 1
         bar.update(
             task, completed=done, total=max(EXPECTED_TRIALS, done + 1), description=f"batch {batch_size}: {verdict}"

@@ -37,6 +37,8 @@ class Measurement(HtmlRepr):
 
     ``loss`` is the last step's loss, or the first that was not finite (None on an OOM);
     ``finite_loss`` is False when some step's loss was NaN or infinite.
+    ``fake`` marks a trial run on fake tensors (:mod:`memfit.search.trials`): the allocator
+    model's fits and peaks, and no time.
     """
 
     batch_size: int
@@ -46,6 +48,7 @@ class Measurement(HtmlRepr):
     seconds_per_step: float | None
     loss: float | None = None
     finite_loss: bool = True
+    fake: bool = False
 
     @property
     def samples_per_second(self) -> float | None:
@@ -54,7 +57,11 @@ class Measurement(HtmlRepr):
         return self.batch_size / self.seconds_per_step
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready; ``fake`` only when set (``memfit measure`` always runs the real step)."""
+        data = asdict(self)
+        if not self.fake:
+            del data["fake"]
+        return data
 
 
 def measure(

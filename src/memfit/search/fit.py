@@ -28,9 +28,12 @@ from typing import Any
 from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
+from memfit.run.measure import Measurement
 from memfit.run.settings import Checkpointing, Precision, Settings
 from memfit.search.lock import Lock, Measured, write_lock
-from memfit.search.plan import Plan, check_target, plan
+from memfit.search.plan import Candidate, Plan, check_target, plan
+from memfit.search.trials import TrialKind
+from memfit.units import format_size
 from memfit.workload import Workload, load_workload
 
 __all__ = ["fit", "FitResult"]
@@ -71,8 +74,6 @@ class FitResult:
 
     def summary(self) -> list[str]:
         """What fits, what was chosen and why, in a few sentences."""
-        from memfit.units import format_size
-
         lines = []
         if self.diagnosis is not None:
             errors = self.diagnosis.count("error")
@@ -102,14 +103,68 @@ class FitResult:
             largest = f"at least {p.max_batch_size} fits (the search stopped at max_batch_size)"
         else:
             largest = f"the largest batch that fits is {p.max_batch_size} (exact)"
+        fake = sum(1 for t in p.trials if t.fake)
+        on_fake = f" ({fake} on fake tensors, the answer confirmed by real runs)" if fake else ""
         lines.append(
-            f"Probe: {largest}, {len(p.trials)} trials, {p.trial_steps} optimizer steps; "
+            f"Probe: {largest}, {len(p.trials)} trials{on_fake}, {p.trial_steps} optimizer steps; "
             f"recommended {p.recommended_batch_size}: {p.reason}"
         )
         lines.append(f"Plan for batch {self.plan.target_batch_size}: {self.plan.reason}")
+        predicted = self.speed_line()
+        if predicted is not None:
+            lines.append(predicted)
         lines.extend(f"Advice: {note}" for note in self.plan.advice)
         lines.append(f"Wrote {self.lock_path}" + (f" and {self.report_path}" if self.report_path else "") + ".")
         return lines
+
+    def speed_line(self) -> str | None:
+        """The chosen settings' predicted speed on the plan's card, one line (None: the plan
+        ranked by measured speed, as on a real GPU)."""
+        best = self.plan.recommended
+        if self.plan.ranked_by != "predicted" or best is None or not best.predicted_samples_per_second:
+            return None
+        seconds = f", {best.predicted_seconds_per_step:.3g} s per step" if best.predicted_seconds_per_step else ""
+        return (
+            f"Predicted speed on the {self.plan.speed_gpu}: {best.predicted_samples_per_second:,.1f} samples/s"
+            f"{seconds} at the chosen settings."
+        )
+
+
+def trial_line(measurement: Measurement) -> str:
+    """One trial for a progress line: the verdict, the memory, the speed, and what ran it.
+
+    >>> trial_line(Measurement(64, True, 2**20, 2**21, 0.5))
+    'fits, 2.00 MiB reserved, 128.0 samples/s'
+    >>> trial_line(Measurement(64, False, 2**20, 2**21, None, fake=True))
+    'out of memory (fake tensors)'
+    """
+    if not measurement.fits:
+        line = "out of memory"
+    else:
+        line = f"fits, {format_size(measurement.peak_reserved)} reserved"
+        if measurement.samples_per_second:
+            line += f", {measurement.samples_per_second:.1f} samples/s"
+    return line + (" (fake tensors)" if measurement.fake else "")
+
+
+def _probe_progress(say: Say) -> Callable[[int, Measurement | None], None]:
+    def progress(batch_size: int, measurement: Measurement | None) -> None:
+        if measurement is not None:
+            say(f"probe · batch {batch_size}: {trial_line(measurement)}")
+
+    return progress
+
+
+def _plan_progress(say: Say) -> Callable[[Candidate], None]:
+    def progress(candidate: Candidate) -> None:
+        s = candidate.settings
+        if candidate.measurement is not None:
+            setting = f"micro-batch {s.micro_batch_size} x {s.accumulation_steps} in {s.precision}"
+            if s.checkpointing != "none":
+                setting += f", checkpointing {s.checkpointing}"
+            say(f"plan · {setting}: {trial_line(candidate.measurement)}")
+
+    return progress
 
 
 def _check_outputs(lock_path: str | os.PathLike[str], report_dir: str | os.PathLike[str] | None) -> None:
@@ -138,6 +193,7 @@ def fit(
     run_doctor: bool = True,
     say: Say | None = None,
     speed_gpu: str | None = None,
+    trials: TrialKind = "auto",
 ) -> FitResult:
     """Doctor, estimate, probe, plan; then write the lock and the report.
 
@@ -155,7 +211,10 @@ def fit(
         lock_path: where to write ``memfit.lock``.
         report_dir: where to write the HTML report and its figures (None: no report).
         run_doctor: check the environment first.
-        say: called with one line as each phase starts (progress for people).
+        say: called with one line as each phase starts and after each trial (progress
+            for people).
+        trials: what probe's and plan's trials run (``"auto"``: fake tensors on a
+            simulated GPU, confirmed by real runs; ``"real"``: every trial for real).
         speed_gpu: plan ranks by the predicted speed on this card (default: on a
             simulated GPU its card, else :data:`memfit.estimator.speed.DEFAULT_SPEED_GPU`;
             on a real GPU the measured speed).
@@ -194,8 +253,15 @@ def fit(
             say(f"estimate: could not run ({estimate_error}); going on without it")
     say("probe: finding the largest batch that fits")
     found = probe(
-        wl, gpu, headroom=headroom, max_batch_size=max_batch_size, guess=predicted.max_batch_size if predicted else None
-    )  # no second estimate
+        wl,
+        gpu,
+        headroom=headroom,
+        max_batch_size=max_batch_size,
+        guess=predicted.max_batch_size if predicted else None,  # no second estimate
+        progress=_probe_progress(say),
+        trials=trials,
+        say=say,
+    )
     target = target_batch_size or found.recommended_batch_size * world_size
     say(f"plan: the fastest settings that reach batch {target}")
     chosen = plan(
@@ -207,6 +273,9 @@ def fit(
         checkpointing=checkpointing,
         headroom=headroom,
         speed_gpu=speed_gpu,
+        progress=_plan_progress(say),
+        trials=trials,
+        say=say,
     )
     best = chosen.recommended
     if best is None or best.measurement is None:

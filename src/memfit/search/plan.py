@@ -60,6 +60,7 @@ from memfit.memory.gpus import GPU
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.measure import Measurement, measure, non_finite_loss_message
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
+from memfit.search.trials import TrialKind, Trials, choose_trials
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
 
@@ -195,6 +196,7 @@ class Candidate:
             "predicted_seconds_per_step": self.predicted_seconds_per_step,
             "predicted_samples_per_second": self.predicted_samples_per_second,
             "predicted_max_micro_batch": self.predicted_max_micro_batch,
+            "fake": m.fake if m is not None else None,
         }
 
 
@@ -287,6 +289,8 @@ class Plan(HtmlRepr):
     speed_gpu: str | None = None
     #: why the predicted speed could not rank a simulated GPU's candidates (None: it did, or was not asked)
     speed_error: str | None = None
+    #: None, or why the trials ran for real (or ran again) where fake tensors were expected
+    trials_note: str | None = None
 
     @property
     def pareto(self) -> list[Candidate]:
@@ -315,6 +319,7 @@ class Plan(HtmlRepr):
             "ranked_by": self.ranked_by,
             "speed_gpu": self.speed_gpu,
             "speed_error": self.speed_error,
+            "trials_note": self.trials_note,
             "pareto": [c.to_dict() for c in self.pareto],
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -373,6 +378,8 @@ def plan(
     progress: Callable[[Candidate], None] | None = None,
     speed_gpu: str | GPU | None = None,
     predict_speed: SpeedPredictor = predicted_speed,
+    trials: TrialKind = "auto",
+    say: Callable[[str], None] | None = None,
 ) -> Plan:
     """Find the fastest settings whose micro-batch x accumulation x world size is the target.
 
@@ -401,6 +408,10 @@ def plan(
             (default: on a simulated GPU, its card or the documented default; on a real
             GPU, the measured speed ranks).
         predict_speed: the predicted (seconds per step, samples/s) of a candidate on a card.
+        trials: ``"auto"`` runs the default trials on fake tensors on a simulated GPU, and
+            then the candidates it ranks (at least the recommended one) for real;
+            ``"real"`` runs every trial for real (see :mod:`memfit.search.trials`).
+        say: receives one line when trials fall back to real runs, and why.
 
     Raises:
         DoesNotFitError: no candidate fits within the headroom.
@@ -422,6 +433,15 @@ def plan(
     del model
     pool = candidates(target_batch_size, world_size=world_size, precisions=precisions, checkpointing=checkpointing)
     results = {s: Candidate(s, "not run") for s in pool}
+    # The one place that chooses what a trial runs: a trial given by the caller as it is,
+    # else fake tensors where they stand in for the device (memfit.search.trials).
+    on_device = None if run_trial is not trial else choose_trials(trials, wl, gpu, steps=2, say=say)
+    if on_device is not None and on_device.fake:
+        fake_trials = on_device
+
+        def run_trial(_wl: Workload, s: Settings, _gpu: Device) -> Measurement:
+            assert s.micro_batch_size is not None
+            return fake_trials(s.micro_batch_size, s.replace(accumulation_steps=1))
 
     per_rank = target_batch_size // world_size
     trial_steps = 0
@@ -478,13 +498,34 @@ def plan(
 
     failures.raise_if_every_trial_failed()
     measured = [c for c in results.values() if c.fits]
-    ordered = list(results.values())
-    if not measured:
-        raise DoesNotFitError(_nothing_fits_message(target_batch_size, pool, ordered, gpu, headroom, failures))
     if card is None:
         for c in results.values():  # none, or a partial ranking: the measured speed ranks all
             c.predicted_seconds_per_step = c.predicted_samples_per_second = None
     speed = _measured_speed if card is None else _predicted_speed
+    if on_device is not None and any(c.measurement is not None and c.measurement.fake for c in measured):
+        confirmed = _confirm_on_device(measured, on_device, world_size, budget, progress, speed)
+        if confirmed is None:
+            again = plan(
+                wl,
+                target_batch_size,
+                gpu,
+                world_size=world_size,
+                precisions=precisions,
+                checkpointing=checkpointing,
+                reference_batch_size=reference_batch_size,
+                headroom=headroom,
+                predictor=predictor,
+                progress=progress,
+                speed_gpu=speed_gpu,
+                predict_speed=predict_speed,
+                trials="real",
+            )
+            again.trials_note = on_device.note
+            return again
+        trial_steps += confirmed
+    ordered = list(results.values())
+    if not measured:
+        raise DoesNotFitError(_nothing_fits_message(target_batch_size, pool, ordered, gpu, headroom, failures))
     best = _recommend(measured, speed)
     chosen = best.settings
     notes = advice(
@@ -520,6 +561,7 @@ def plan(
         ranked_by="measured" if card is None else "predicted",
         speed_gpu=None if card is None else card.name,
         speed_error=speed_error,
+        trials_note=on_device.note if on_device is not None else None,
     )
 
 
@@ -631,6 +673,61 @@ def _speed_card(gpu: Device, named: str | GPU | None) -> GPU | None:
     if named is not None:
         return speed_gpu(named)
     return speed_gpu(gpu.gpu if isinstance(gpu, SimDevice) else None)
+
+
+def _confirm_on_device(
+    measured: list[Candidate],
+    trials: Trials,
+    world_size: int,
+    budget: int | None,
+    progress: Callable[[Candidate], None] | None,
+    speed: Callable[[Candidate], float | None],
+) -> int | None:
+    """Run for real what fake trials cannot say; return the optimizer steps run (None: they disagreed).
+
+    Fake trials say what fits, not how fast. Candidates without the speed that ranks them
+    (``speed``: the predicted one on a simulated GPU; measured where none could be
+    predicted) are timed on the device, as every plan did before fake trials; then the
+    recommended candidate, if it still rests on a fake trial, runs for real too. A real run that does
+    not end as the fake one did (out of memory, over the headroom, an error, a loss that is
+    not finite) sends the caller back to plan on real trials, which report it as they do.
+    """
+    steps = 0
+
+    def run_for_real(c: Candidate) -> bool:
+        nonlocal steps
+        s = c.settings
+        assert s.micro_batch_size is not None and c.measurement is not None
+        problem = None
+        try:
+            real = trials.real(s.micro_batch_size, s.replace(accumulation_steps=1))
+        except Exception as error:  # noqa: BLE001 - the real-trial plan reports it, candidate by candidate
+            problem = _one_line(error)
+        steps += 2
+        if problem is None and (_status(real, budget, None) != "measured" or not real.finite_loss):
+            problem = (
+                "out of memory" if not real.fits else "over the headroom" if real.finite_loss else "a loss not finite"
+            )
+        if problem is not None:
+            trials.tell(
+                f"micro-batch {s.micro_batch_size} in {_describe(s)} fit on fake tensors but ran for real with "
+                f"{problem}: the plan ran again on real trials"
+            )
+            return False
+        if c.samples_per_second is None and real.samples_per_second is not None:
+            c.samples_per_second = real.samples_per_second * world_size
+        c.measurement = real
+        if progress:
+            progress(c)
+        return True
+
+    for c in [c for c in measured if speed(c) is None]:
+        if not run_for_real(c):
+            return None
+    best = _recommend(measured, speed)
+    if best.measurement is not None and best.measurement.fake and not run_for_real(best):
+        return None
+    return steps
 
 
 def _checkpointing_modes(model: nn.Module) -> list[Checkpointing]:

@@ -41,10 +41,11 @@ from memfit.batch_search import Outcome, SearchSpace, answer, next_batch_size
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
-from memfit.run.measure import Measurement, measure, non_finite_loss_message
+from memfit.run.measure import Measurement, non_finite_loss_message
 from memfit.run.settings import Settings
 from memfit.run.state import Snapshot, preserved
 from memfit.search.headroom import next_headroom_batch, repeatable, within_budget
+from memfit.search.trials import TRIAL_KINDS, TrialKind, Trials, choose_trials
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
 
@@ -110,6 +111,7 @@ class ProbeResult(HtmlRepr):
                 "peak_reserved": t.peak_reserved,
                 "samples_per_second": t.samples_per_second,
                 "seconds_per_step": t.seconds_per_step,
+                "fake": t.fake,
             }
             for t in self.trials
         ]
@@ -220,6 +222,63 @@ def search(
     return Search(
         tuple(trials), maximum, headroom_batch, choice.throughput_batch, choice.batch, choice.reason, limit_kind
     )
+
+
+def confirmed_search(
+    trials: Trials,
+    space: SearchSpace,
+    *,
+    capacity: int | None,
+    headroom: float = 0.05,
+    progress: Progress | None = None,
+    describe: str = "the workload",
+) -> Search:
+    """:func:`search` with ``trials``; an answer found on fake tensors is confirmed for real.
+
+    The confirmation is the proof the search itself makes, run on the device: the maximum
+    fits and the next size does not (one real run when the maximum is the search's
+    bound; when nothing fits, the smallest batch does not). Should a real run disagree
+    (the allocator model and the device part ways), the whole search runs again on real
+    trials, starting from the fake answer, so no answer rests on fake tensors alone.
+    """
+    kwargs: dict[str, Any] = {"capacity": capacity, "headroom": headroom, "progress": progress, "describe": describe}
+    try:
+        found = search(trials, space, **kwargs)
+    except DoesNotFitError:
+        if not trials.fake:
+            raise
+        found = None
+    if not trials.fake:
+        return found  # type: ignore[return-value] # search raised unless it found something
+    real: list[Measurement] = []
+    proofs = [space.multiple_of] if found is None else [found.max_batch_size]
+    if found is not None and found.limit == "memory":
+        proofs.append(found.max_batch_size + space.multiple_of)
+    ran = {t.batch_size: t for t in found.trials if not t.fake} if found is not None else {}
+    for batch_size, expected in zip(proofs, (found is not None, False), strict=False):
+        measured = ran.get(batch_size)  # run for real already (the trials fell back)
+        if measured is None:
+            if progress is not None:
+                progress(batch_size, None)
+            measured = trials.real(batch_size)
+            real.append(measured)
+            if progress is not None:
+                progress(batch_size, measured)
+        if measured.fits and not measured.finite_loss:
+            raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(measured)))
+        if measured.fits != expected:
+            trials.tell(
+                f"a real run at batch {batch_size} {'fit' if measured.fits else 'ran out of memory'} where fake "
+                "tensors said otherwise: the search ran again on real trials"
+            )
+            guess = found.max_batch_size if found is not None else None
+            return search(trials.real, dataclasses.replace(space, guess=guess), **kwargs)
+    if found is None:
+        raise DoesNotFitError(_does_not_fit_message(describe, real, space, capacity))
+    # The recommendation stands: throughput needs times, and of the trials only the real
+    # runs have one (fake tensors do no arithmetic), at the maximum and above, where no
+    # smaller batch's time could be compared with it.
+    return dataclasses.replace(found, trials=found.trials + tuple(real))
 
 
 def _loss_value(measurement: Measurement) -> float:
@@ -340,6 +399,8 @@ def probe(
     guess: int | str | None = "estimate",
     progress: Progress | None = None,
     preserve: Sequence[Any] = (),
+    trials: TrialKind = "auto",
+    say: Callable[[str], None] | None = None,
 ) -> ProbeResult:
     """Find the largest batch that fits on ``device`` (exact) and the batch to use.
 
@@ -363,6 +424,10 @@ def probe(
         progress: called as ``progress(batch, None)`` before and
             ``progress(batch, measurement)`` after each trial.
         preserve: further objects to restore afterwards (a GradScaler, an LR scheduler).
+        trials: ``"auto"`` searches on fake tensors on a simulated GPU and confirms the
+            answer with real runs (the maximum fits, the next size does not); ``"real"``
+            runs every trial for real (see :mod:`memfit.search.trials`).
+        say: receives one line when trials fall back to real runs, and why.
 
     Raises:
         DoesNotFitError: not even the smallest batch fits.
@@ -385,28 +450,34 @@ def probe(
     if space.capacity is None and max_batch_size is None:
         raise MemfitError(f"{gpu.describe()} has no memory limit: give max_batch_size (--max-batch-size)")
 
+    if trials not in TRIAL_KINDS:
+        raise MemfitError(f"invalid trials {trials!r}: use one of {', '.join(TRIAL_KINDS)}")
+
     failure: BaseException | None = None
     found: Search | None = None
+    note: str | None = None
     try:
         with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *preserve) as snapshot:
             probed = _preserving_optimizers(wl, snapshot)
             if guess == "estimate":
                 space = dataclasses.replace(space, guess=estimated_guess(wl, gpu, settings, max_batch_size))
 
-            def trial(batch_size: int) -> Measurement:
-                return measure(probed, batch_size, gpu, settings, steps=TRIAL_STEPS)
-
-            found = search(
-                trial,
+            # The one place that chooses what a trial runs (see memfit.search.trials).
+            run_trial = choose_trials(trials, probed, gpu, settings, steps=TRIAL_STEPS, say=say)
+            found = confirmed_search(
+                run_trial,
                 space,
                 capacity=gpu.capacity,
                 headroom=headroom,
                 progress=progress,
                 describe=f"{wl.name} on {gpu.describe()}",
             )
+            note = run_trial.note
     except Exception as error:  # noqa: BLE001 - re-raised below, after the ranks agree
         failure = error
-    return _agree(found, failure, gpu, wl, space, headroom)
+    result = _agree(found, failure, gpu, wl, space, headroom)
+    fake = sum(1 for t in result.trials if t.fake)
+    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note})
 
 
 def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: int | None) -> int | None:
