@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.environment.envfile import Fingerprint, GpuFingerprint
+from memfit.environment.envfile import Fingerprint, GpuFingerprint, fingerprint
 from memfit.errors import MemfitError
 from memfit.run.settings import Settings
 from memfit.search.lock import Lock, Measured, check_lock, load_lock, write_lock
@@ -178,3 +178,19 @@ def test_a_lock_with_neither_reference_nor_name_is_damaged(tmp_path):
     )
     with pytest.raises(MemfitError, match=r"damaged memfit\.lock: bad or missing 'workload\.ref'"):
         load_lock(path)
+
+
+def test_check_reads_the_lock_and_this_machine_without_importing_torch(tmp_path):
+    """memfit check answers in about a second: neither it nor a child process imports torch."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "memfit.lock"
+    write_lock(make_lock(environment=fingerprint()), path)
+    code = (
+        "import sys\nfrom memfit.cli import main\nstatus = main(['check', sys.argv[1]])\n"
+        "print(status, 'torch' in sys.modules)"
+    )
+    completed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert completed.stdout.splitlines()[-1] == "0 False"
+    assert "no difference" in completed.stdout

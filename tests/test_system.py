@@ -6,8 +6,10 @@ H100 node (pynvml's API, nvidia-smi's CSV). torch, /dev/shm, RAM and the Python 
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -22,10 +24,12 @@ from memfit.environment.system import (
     PythonFacts,
     RecordedProbe,
     TorchFacts,
+    _literal_assignments,
     parse_cuda_driver_version,
     parse_smi_cuda_version,
     parse_smi_gpus,
     parse_smi_processes,
+    torch_build_in_process,
 )
 
 GiB, MiB = 2**30, 2**20
@@ -251,6 +255,48 @@ def test_torch_facts_from_a_python_without_torch():
 def test_torch_facts_when_the_interpreter_cannot_run(tmp_path):
     facts = LiveProbe(python_executable=str(tmp_path / "missing-python")).torch()
     assert facts.version is None and facts.error.startswith(f"could not run {tmp_path / 'missing-python'}")
+
+
+_BUILD_HERE = """
+import json, sys
+from memfit.environment.system import LiveProbe
+probe = LiveProbe()
+facts = probe.torch_build()
+print(json.dumps([facts.version, facts.cuda, facts.hip, facts.cudnn, "torch" in sys.modules, probe._torch is None]))
+"""
+
+
+def test_the_build_facts_are_read_without_importing_torch_or_a_child_and_match_the_childs():
+    """memfit check's fingerprint: the same torch, CUDA and cuDNN versions, in a fraction of the time."""
+    completed = subprocess.run([sys.executable, "-c", _BUILD_HERE], capture_output=True, text=True, check=True)
+    version, cuda, hip, cudnn, torch_imported, no_child = json.loads(completed.stdout)
+    child = LiveProbe().torch()
+    assert (version, cuda, hip, cudnn) == (child.version, child.cuda, child.hip, child.cudnn)
+    assert version == torch.__version__
+    assert not torch_imported and no_child
+
+
+def test_the_build_facts_with_torch_imported_ask_it_and_a_probe_that_ran_the_child_reuses_it():
+    assert torch_build_in_process() == TorchFacts(
+        version=torch.__version__,
+        cuda=torch.version.cuda,
+        hip=torch.version.hip,
+        cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    )
+    probe = LiveProbe()
+    here = probe.torch_build()  # no child yet: read in this process
+    child = probe.torch()  # runs the child once
+    assert (here.version, here.cuda, here.cudnn) == (child.version, child.cuda, child.cudnn)
+    assert probe.torch_build() is child  # the child's answer, once there, is the answer
+    recorded = TorchFacts(version="2.5.1+cu124", cuda="12.4", cudnn=90100, arch_list=("sm_90",))
+    assert RecordedProbe(torch=recorded).torch_build() is recorded
+
+
+def test_literal_assignments_of_a_version_file():
+    source = (
+        "from typing import Optional\n__version__ = '2.5.1+cu124'\ncuda: Optional[str] = '12.4'\nhip = None\nx = f()\n"
+    )
+    assert _literal_assignments(source) == {"__version__": "2.5.1+cu124", "cuda": "12.4", "hip": None}
 
 
 # -- Python, host, environment (real) ----------------------------------------------------

@@ -192,9 +192,9 @@ class EnvironmentCheck(HtmlRepr):
 
 
 def fingerprint(probe: SystemProbe | None = None) -> Fingerprint:
-    """This machine's fingerprint (torch's facts from a child process: no CUDA context here)."""
+    """This machine's fingerprint (torch's build read without a CUDA context here)."""
     probe = probe or system.current_probe()
-    python, host, torch, nvidia = probe.python(), probe.host(), probe.torch(), probe.nvidia()
+    python, host, torch, nvidia = probe.python(), probe.host(), probe.torch_build(), probe.nvidia()
     cuda_driver = nvidia.cuda_driver_version
     return Fingerprint(
         python=python.version,

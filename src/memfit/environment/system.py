@@ -16,6 +16,11 @@ so a DataLoader that forks later still works.
 
 from __future__ import annotations
 
+import ast
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
 import json
 import os
 import platform
@@ -25,6 +30,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -158,6 +164,14 @@ class SystemProbe:
 
     def torch(self) -> TorchFacts:
         raise NotImplementedError
+
+    def torch_build(self) -> TorchFacts:
+        """torch's version, its CUDA/HIP version and cuDNN's: what a fingerprint records.
+
+        Only those four fields are set. The default asks :meth:`torch`; a live probe
+        reads them without importing torch when it can (``memfit check`` answers fast).
+        """
+        return self.torch()
 
     def python(self) -> PythonFacts:
         raise NotImplementedError
@@ -330,6 +344,24 @@ class LiveProbe(SystemProbe):
             self._torch = self._torch_from_child()
         return self._torch
 
+    def torch_build(self) -> TorchFacts:
+        """The build facts without a child process when this interpreter is the one asked.
+
+        Why: importing torch (twice: here for the command, and in the child) was most of
+        ``memfit check``'s 17 s. torch's ``version.py`` holds its version and CUDA/HIP
+        versions as literals; cuDNN's version comes from the library torch loads
+        (``cudnnGetVersion``, what ``torch.backends.cudnn.version()`` returns). Whatever
+        cannot be read that way (another interpreter, a ROCm build, no cuDNN found) comes
+        from the child process, as before.
+        """
+        if self._torch is not None:
+            return self._torch
+        if os.path.realpath(self.python_executable) == os.path.realpath(sys.executable):
+            facts = torch_build_in_process()
+            if facts is not None:
+                return facts
+        return self.torch()
+
     def _torch_from_child(self) -> TorchFacts:
         try:
             completed = subprocess.run(
@@ -398,6 +430,73 @@ class LiveProbe(SystemProbe):
         output = _run([conda, "env", "export", "--no-builds", "--json", "--prefix", sys.prefix])
         data = json.loads(output)
         return data if isinstance(data, dict) else None
+
+
+def torch_build_in_process() -> TorchFacts | None:
+    """torch's version, CUDA version and cuDNN version, read without importing torch.
+
+    None when they cannot all be read here (torch missing, a ROCm build, cuDNN not found
+    where torch looks for it): the caller asks a child process instead.
+    """
+    if "torch" in sys.modules:  # imported already: ask it (no CUDA context is made)
+        import torch
+
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        return TorchFacts(version=torch.__version__, cuda=torch.version.cuda, hip=torch.version.hip, cudnn=cudnn)
+    spec = importlib.util.find_spec("torch")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    try:
+        literals = _literal_assignments((package / "version.py").read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    version, cuda, hip = literals.get("__version__"), literals.get("cuda"), literals.get("hip")
+    if not isinstance(version, str) or hip is not None:
+        return None
+    if cuda is None:
+        return TorchFacts(version=version)  # a CPU build: no cuDNN
+    cudnn = _cudnn_version(package)
+    if cudnn is None:
+        return None
+    return TorchFacts(version=version, cuda=str(cuda), cudnn=cudnn)
+
+
+def _literal_assignments(source: str) -> dict[str, Any]:
+    """``name = literal`` (and ``name: type = literal``) assignments of a module's source."""
+    values: dict[str, Any] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            name, value = node.target.id, node.value
+        else:
+            continue
+        try:
+            values[name] = ast.literal_eval(value)
+        except ValueError:
+            continue
+    return values
+
+
+def _cudnn_version(torch_package: Path) -> int | None:
+    """``cudnnGetVersion()`` of the cuDNN torch loads: pip's nvidia-cudnn wheel first (torch's
+    own search order), then torch/lib, then the system's; None when none loads."""
+    found: list[str] = []
+    for entry in sys.path:
+        found += sorted(glob.glob(os.path.join(entry or ".", "nvidia", "cudnn", "lib", "libcudnn.so.*[0-9]")))
+    found += sorted(glob.glob(str(torch_package / "lib" / "libcudnn.so.*[0-9]")))
+    system_library = ctypes.util.find_library("cudnn")
+    if system_library:
+        found.append(system_library)
+    for path in found:
+        try:
+            get_version = ctypes.CDLL(path).cudnnGetVersion
+        except (OSError, AttributeError):
+            continue
+        get_version.restype = ctypes.c_size_t
+        return int(get_version())
+    return None
 
 
 def _capability(value: Any) -> tuple[int, int]:

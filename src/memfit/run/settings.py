@@ -20,14 +20,17 @@ import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-from memfit.cuda.semantics import autocast_device_type
 from memfit.errors import MemfitError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch (and memfit.cuda, which imports it) is imported inside the functions that run a
+# step: Settings itself is plain data, and reading a memfit.lock (`memfit check`) should
+# not cost torch's import (seconds).
 
 __all__ = [
     "Settings",
@@ -47,7 +50,6 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "blocks"]
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "blocks")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,20 @@ def autocast(precision: str, device_type: str) -> contextlib.AbstractContextMana
     """
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.amp.autocast(device_type=autocast_device_type(device_type), dtype=_DTYPES[precision])
+    import torch
+
+    from memfit.cuda.semantics import autocast_device_type
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch.amp.autocast(device_type=autocast_device_type(device_type), dtype=dtype)
 
 
 def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler:
     """fp16 needs loss scaling to keep small gradients; bf16 and fp32 do not."""
+    import torch
+
+    from memfit.cuda.semantics import autocast_device_type
+
     return torch.amp.GradScaler(autocast_device_type(device_type), enabled=precision == "fp16")
 
 
@@ -132,6 +143,8 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     block's recompute. A container of mixed layers (Linear, ReLU, ...) is not a chain of
     blocks and is left alone.
     """
+    from torch import nn
+
     best: list[nn.Module] = []
     best_params = -1
     for module in model.modules():
@@ -158,6 +171,9 @@ def enable_checkpointing(model: nn.Module) -> Callable[[], None]:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         disable: Callable[[], None] = hf_model.gradient_checkpointing_disable
         return disable
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
     blocks = find_blocks(model)
     if not blocks:
         raise MemfitError(
