@@ -13,6 +13,8 @@ import memfit
 from memfit._plot import png_data_uri
 from memfit.errors import WorkloadError
 from memfit.reporting.figures import estimate_png, plan_png, probe_png
+from memfit.reporting.memory_viz import timeline
+from memfit.reporting.pages import load_snapshot
 from memfit.search.lock import load_lock
 
 TINY = "mlp:layers=2,width=32,features=16"
@@ -47,10 +49,19 @@ def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
     assert "Plan" in page and "Probe" in page and "Estimate" in page
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [
         "report-estimate.png",
+        "report-memory-viz.html",
         "report-plan.png",
         "report-probe.png",
+        "report-snapshot.pickle",
         "report.html",
     ]
+    # the chosen settings' step, in PyTorch's memory viewer format, embedded and beside the page
+    chosen = result.plan.recommended
+    snapshot = load_snapshot(tmp_path / "report" / "report-snapshot.pickle")
+    peak = max(moment.reserved for moment in timeline(snapshot))
+    assert peak == chosen.measurement.peak_reserved
+    assert "<h2>Memory viewer</h2>" in page and 'download="memfit-snapshot.pickle"' in page
+    assert f"two optimizer steps at micro-batch {chosen.settings.micro_batch_size}, {chosen.settings.precision}" in page
 
 
 def test_fit_command_default_target_and_json(tmp_path, run_cli):

@@ -9,6 +9,7 @@ import click
 from rich.table import Table
 
 from memfit.cli.options import console, json_option, make_settings, print_json, settings_options, workload_argument
+from memfit.errors import MemfitError
 from memfit.estimator.estimate import Estimate, estimate
 from memfit.estimator.sharding import SHARDS
 from memfit.units import format_size
@@ -70,6 +71,14 @@ if TYPE_CHECKING:
     show_default=True,
     help="Shard optimizer state (ZeRO-1), + gradients (ZeRO-2), or everything (ZeRO-3/FSDP).",
 )
+@click.option(
+    "--snapshot",
+    "snapshot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE.pickle",
+    help="Also write the step's allocator history for PyTorch's memory viewer (pytorch.org/memory_viz).",
+)
 @json_option
 def command(
     workload: str,
@@ -85,6 +94,7 @@ def command(
     checkpointing: str,
     world_size: int,
     shard: str,
+    snapshot_path: Path | None,
     as_json: bool,
 ) -> None:
     """Predict the peak GPU memory of WORKLOAD's training step and what takes it.
@@ -94,10 +104,15 @@ def command(
     (--gpu, --memory or --device sim:SIZE) and no --batch-size it finds the largest batch
     that fits (--max-batch: also with --batch-size).
     """
+    if snapshot_path is not None and world_size > 1:
+        raise MemfitError(
+            "--snapshot records one GPU's unsharded step: drop --world-size (or estimate with --world-size 1)"
+        )
+    settings = make_settings(precision, checkpointing, accumulation_steps=accumulation_steps)
     result = estimate(
         workload,
         batch_size,
-        make_settings(precision, checkpointing, accumulation_steps=accumulation_steps),
+        settings,
         gpu=gpu,
         memory=memory,
         device=device_spec,
@@ -107,6 +122,21 @@ def command(
         cuda_version=cuda_version if cuda_version is not None else locked_cuda_version(),
         search=max_batch,
     )
+    if snapshot_path is not None:
+        from memfit._io import write_atomically
+        from memfit.estimator.snapshot import step_snapshot
+        from memfit.memory.allocator import snapshot_bytes
+
+        snapshot = step_snapshot(
+            workload,
+            result.batch_size,
+            settings,
+            gpu=gpu,
+            memory=memory,
+            device=device_spec,
+            fixed_costs=fixed_costs,
+        )
+        write_atomically(snapshot_path, snapshot_bytes(snapshot))
     if as_json:
         print_json(result.to_dict())
         return
@@ -117,6 +147,11 @@ def command(
     speed = speed_line(result)
     if speed:
         console.print(speed)
+    if snapshot_path is not None:
+        console.print(
+            f"snapshot: {snapshot_path} (open it at https://pytorch.org/memory_viz, "
+            "or: python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html)"
+        )
 
 
 def locked_cuda_version(path: Path = Path("memfit.lock")) -> str | None:

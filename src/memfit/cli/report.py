@@ -9,7 +9,7 @@ import click
 from memfit._io import check_writable
 from memfit.cli.options import console, json_option, print_json
 from memfit.monitor.runfile import read_run
-from memfit.reporting.pages import write_report
+from memfit.reporting.pages import write_report, written_snapshot
 
 _RESULT = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -26,6 +26,12 @@ _RESULT = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option("--probe", type=_RESULT, default=None, help="A `memfit probe --json` result to include.")
 @click.option("--estimate", type=_RESULT, default=None, help="A `memfit estimate --json` result to include.")
 @click.option("--plan", type=_RESULT, default=None, help="A `memfit plan --json` result to include.")
+@click.option(
+    "--snapshot",
+    type=_RESULT,
+    default=None,
+    help="An allocator snapshot to embed (default: the one the monitor wrote, if any).",
+)
 @json_option
 def command(
     run: Path,
@@ -33,6 +39,7 @@ def command(
     probe: Path | None,
     estimate: Path | None,
     plan: Path | None,
+    snapshot: Path | None,
     as_json: bool,
 ) -> None:
     """Render RUN.jsonl (written by memfit.Monitor(path=...)) as a report: the findings
@@ -41,7 +48,9 @@ def command(
     target = output if output is not None else run.with_suffix(".html")
     check_writable(target, "report")  # before reading and drawing
     recorded = read_run(run)
-    files = write_report(recorded, target, probe=probe, estimate=estimate, plan=plan)
+    if snapshot is None:
+        snapshot = written_snapshot(run, recorded)
+    files = write_report(recorded, target, probe=probe, estimate=estimate, plan=plan, snapshot=snapshot)
     if as_json:
         print_json({**files.to_dict(), "summary": recorded.summary()})
         return

@@ -59,6 +59,10 @@ __all__ = ["run_fake_steps", "FakeRun", "UnsupportedOperation", "Event"]
 #: one recorded allocator event: ("alloc" | "free", handle, nbytes, labels)
 Event = tuple[str, int, int, Labels]
 
+#: the most allocator actions a recorded history keeps (the newest): a 7B model's two
+#: steps make about 120,000
+_HISTORY_ENTRIES = 1_000_000
+
 #: phases whose scalar reads (loss logging, GradScaler's found-inf) do not steer allocation
 _SCALAR_READ_PHASES = ("other", "optimizer")
 
@@ -82,6 +86,8 @@ class FakeRun:
     fits: bool = True
     #: the operations of the last step, for the predicted step time (``count_ops=True``)
     ops: OpTrace | None = None
+    #: the allocator's history as ``torch.cuda.memory._snapshot()`` gives it (``history=True``)
+    snapshot: dict[str, Any] | None = None
 
 
 def unsupported_message(op: str, module: str, error: BaseException) -> str:
@@ -241,6 +247,7 @@ def run_fake_steps(
     budget: int | None = None,
     cuda: CudaTarget | None = None,
     count_ops: bool = False,
+    history: bool = False,
 ) -> FakeRun:
     """Run ``steps`` optimizer steps of ``workload`` on fake tensors; return the events.
 
@@ -249,11 +256,14 @@ def run_fake_steps(
     implementation (see :func:`_with_foreach`). ``cuda`` is the CUDA GPU whose semantics
     the steps follow (:mod:`memfit.cuda.semantics`); None keeps the CPU's. ``count_ops=True``
     records the last step's operations (:class:`~memfit.estimator.timing.OpCounter`) for the
-    predicted step time. Raises :class:`UnsupportedOperation` for what fake tensors cannot
-    run; any other error propagates unchanged.
+    predicted step time. ``history=True`` also records the allocator's history for
+    PyTorch's memory viewer (:attr:`FakeRun.snapshot`). Raises :class:`UnsupportedOperation`
+    for what fake tensors cannot run; any other error propagates unchanged.
     """
     counter = OpCounter(step=steps - 1, micro_batches=settings.accumulation_steps) if count_ops else None
     device = _FakeDevice(budget, cuda, counter)
+    if history:
+        device.allocator.record_history(max_entries=_HISTORY_ENTRIES)
     # allow_non_fake_inputs: a batch or a constant made outside fake mode is converted
     # (and its storage counted), as it would be copied to the GPU.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -277,4 +287,5 @@ def run_fake_steps(
         peak_reserved=stats["reserved_bytes.all.peak"],
         fits=fits,
         ops=counter.trace() if counter is not None and fits else None,
+        snapshot=device.allocator.snapshot() if history else None,
     )

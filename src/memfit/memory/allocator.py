@@ -17,6 +17,12 @@ The rules follow ``c10/cuda/CUDACachingAllocator.cpp`` (one stream, default sett
   that is entirely free is released and the request retried once (``num_alloc_retries``);
   if it still does not fit, the allocation fails (``num_ooms``).
 
+When asked (:meth:`CachingAllocatorModel.record_history`), the model keeps the trace
+PyTorch's own allocator keeps under ``torch.cuda.memory._record_memory_history()``, and
+:meth:`~CachingAllocatorModel.snapshot` returns the dict ``torch.cuda.memory._snapshot()``
+returns (segments with their blocks, the trace of alloc / free_requested / free_completed /
+segment_alloc / segment_free / oom actions), which PyTorch's memory viewer opens.
+
 >>> from memfit.units import MiB
 >>> allocator = CachingAllocatorModel(budget=64 * MiB)
 >>> block = allocator.malloc(3 * MiB)
@@ -27,9 +33,12 @@ True
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
+import pickle
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from memfit.units import MiB
 
@@ -40,6 +49,10 @@ __all__ = [
     "segment_size",
     "is_small",
     "should_split",
+    "Frames",
+    "SNAPSHOT_BASE_ADDRESS",
+    "SNAPSHOT_PICKLE_PROTOCOL",
+    "snapshot_bytes",
     "MIN_BLOCK_SIZE",
     "SMALL_SIZE",
     "SMALL_BUFFER",
@@ -54,6 +67,17 @@ SMALL_BUFFER = 2 * MiB  # kSmallBuffer: size of a small-pool segment
 LARGE_BUFFER = 20 * MiB  # kLargeBuffer: segment for large requests under kMinLargeAlloc
 MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc: from here a request gets its own segment
 ROUND_LARGE = 2 * MiB  # kRoundLarge: own segments are rounded up to this
+
+#: the first segment's address in a snapshot: the model's addresses start at 0, and a
+#: viewer that treats address 0 as "none" would lose the first block
+SNAPSHOT_BASE_ADDRESS = 0x7F00_0000_0000
+
+#: the pickle protocol of a written snapshot: the memory viewer's own unpickler reads 2 to 4
+SNAPSHOT_PICKLE_PROTOCOL = 4
+
+#: where an allocation was made, as PyTorch's memory viewer shows it: a list of
+#: ``{"filename", "line", "name"}`` dicts, innermost first
+Frames = list[dict[str, Any]]
 
 
 def round_size(nbytes: int) -> int:
@@ -85,6 +109,11 @@ def should_split(block_size: int, rounded: int, small: bool) -> bool:
     return remaining > SMALL_SIZE
 
 
+def snapshot_bytes(snapshot: dict[str, Any]) -> bytes:
+    """A snapshot pickled as ``torch.cuda.memory._dump_snapshot`` writes it (protocol 4)."""
+    return pickle.dumps(snapshot, protocol=SNAPSHOT_PICKLE_PROTOCOL)
+
+
 class AllocationFailed(Exception):
     """The model could not serve a request within its budget (the caller raises the OOM)."""
 
@@ -110,6 +139,7 @@ class _Block:
     segment: _Segment
     allocated: bool = False
     requested: int = 0
+    frames: Frames | None = None  # kept only while the history is recorded
 
     @property
     def key(self) -> tuple[int, int]:
@@ -169,17 +199,26 @@ class CachingAllocatorModel:
             "num_device_free": 0,
             "allocation_count": 0,
         }
+        #: the recorded actions (None: not recording), oldest first, at most ``max_entries``
+        self._trace: collections.deque[dict[str, Any]] | None = None
 
     # -- public interface ------------------------------------------------------------
 
-    def malloc(self, nbytes: int) -> int:
-        """Serve a request of ``nbytes``; return a handle for :meth:`free`."""
+    def malloc(self, nbytes: int, frames: Frames | None = None) -> int:
+        """Serve a request of ``nbytes``; return a handle for :meth:`free`.
+
+        ``frames`` says where the request came from, for the recorded history.
+        """
         with self._lock:
             rounded = round_size(nbytes)
             small = is_small(rounded)
             block = self._pools[small].best_fit(rounded)
             if block is None:
-                block = self._new_segment_block(rounded, small)
+                try:
+                    block = self._new_segment_block(rounded, small)
+                except AllocationFailed:
+                    self._record("oom", (self.budget or 0) - self.reserved, rounded, frames)
+                    raise
             else:
                 self._pools[small].remove(block)
             if should_split(block.size, rounded, small):
@@ -191,17 +230,79 @@ class CachingAllocatorModel:
             self._add("allocated", block.size)
             self._add("requested", nbytes)
             self._counters["allocation_count"] += 1
+            if self._trace is not None:
+                block.frames = frames or []
+                self._record("alloc", block.address, nbytes, frames)
             return handle
 
-    def free(self, handle: int) -> None:
+    def free(self, handle: int, frames: Frames | None = None) -> None:
         """Return a block to its pool's cache, merged with free neighbours."""
         with self._lock:
             block = self._live.pop(handle)
+            if self._trace is not None:
+                # One stream: the free completes at once (CUDA records both moments).
+                self._record("free_requested", block.address, block.requested, frames)
+                self._record("free_completed", block.address, block.requested, frames)
             block.allocated = False
+            block.frames = None
             self._add("allocated", -block.size)
             self._add("requested", -block.requested)
             block = self._merge_with_free_neighbours(block)
             self._pools[block.segment.small].add(block)
+
+    def record_history(self, enabled: bool = True, max_entries: int = 100_000) -> None:
+        """Start (or, with ``enabled=False``, stop) keeping the trace :meth:`snapshot` returns.
+
+        Why only when asked: a training step makes tens of thousands of allocations; the
+        trace costs a dict each. ``max_entries`` keeps the newest actions, as CUDA's does.
+        """
+        with self._lock:
+            self._trace = collections.deque(maxlen=max_entries) if enabled else None
+
+    def snapshot(self) -> dict[str, Any]:
+        """The allocator's state and recorded history as ``torch.cuda.memory._snapshot()`` gives it.
+
+        ``segments``: every segment (``segment_type`` small or large) with its blocks in
+        address order (``active_allocated`` or ``inactive``); ``device_traces``: one list
+        (device 0) of the recorded actions, empty unless :meth:`record_history` was on.
+        Addresses start at :data:`SNAPSHOT_BASE_ADDRESS`.
+        """
+        base = SNAPSHOT_BASE_ADDRESS
+        with self._lock:
+            segments = []
+            for segment in sorted(self._segments, key=lambda seg: seg.address):
+                blocks = [
+                    {
+                        "address": base + block.address,
+                        "size": block.size,
+                        "requested_size": block.requested if block.allocated else 0,
+                        "state": "active_allocated" if block.allocated else "inactive",
+                        "frames": list(block.frames or []) if block.allocated else [],
+                    }
+                    for block in segment.blocks
+                ]
+                allocated = sum(block.size for block in segment.blocks if block.allocated)
+                segments.append(
+                    {
+                        "device": 0,
+                        "address": base + segment.address,
+                        "total_size": segment.size,
+                        "allocated_size": allocated,
+                        "active_size": allocated,
+                        "requested_size": sum(block.requested for block in segment.blocks if block.allocated),
+                        "stream": 0,
+                        "segment_type": "small" if segment.small else "large",
+                        "segment_pool_id": (0, 0),
+                        "is_expandable": False,
+                        "frames": [],
+                        "blocks": blocks,
+                    }
+                )
+            trace = [dict(entry) for entry in self._trace] if self._trace is not None else []
+        for entry in trace:
+            if entry["action"] != "oom":
+                entry["addr"] += base
+        return {"segments": segments, "device_traces": [trace]}
 
     def empty_cache(self) -> None:
         """Release every cached segment that holds no allocated block (``torch.cuda.empty_cache``)."""
@@ -238,6 +339,11 @@ class CachingAllocatorModel:
             }
 
     @property
+    def recording(self) -> bool:
+        """True while the history for :meth:`snapshot` is recorded."""
+        return self._trace is not None
+
+    @property
     def allocated(self) -> int:
         return self._counters["allocated"]
 
@@ -270,7 +376,19 @@ class CachingAllocatorModel:
         self._segments.append(segment)
         self._add("reserved", size)
         self._counters["num_device_alloc"] += 1
+        self._record("segment_alloc", segment.address, size)
         return block
+
+    def _record(self, action: str, address: int, size: int, frames: Frames | None = None) -> None:
+        """Append one action to the trace, when recording (an OOM's address is the free memory)."""
+        if self._trace is None:
+            return
+        entry: dict[str, Any] = {"action": action, "size": size, "stream": 0, "frames": frames or []}
+        if action == "oom":
+            entry["device_free"] = address
+        else:
+            entry["addr"] = address
+        self._trace.append(entry)
 
     def _split(self, block: _Block, rounded: int) -> None:
         rest = _Block(address=block.address + rounded, size=block.size - rounded, segment=block.segment)
@@ -302,6 +420,7 @@ class CachingAllocatorModel:
                 self._pools[segment.small].remove(segment.blocks[0])
                 self._add("reserved", -segment.size)
                 self._counters["num_device_free"] += 1
+                self._record("segment_free", segment.address, segment.size)
             else:
                 kept.append(segment)
         self._segments = kept

@@ -44,6 +44,7 @@ __all__ = [
     "active_device",
     "DEFAULT_SIM_MEMORY",
     "oom_message",
+    "labels_as_frames",
 ]
 
 DEFAULT_SIM_MEMORY = "8GiB"
@@ -191,7 +192,7 @@ class SimDevice(Device):
 
     def allocated(self, nbytes: int, labels: Labels) -> int:
         try:
-            handle = self.allocator.malloc(nbytes)
+            handle = self.allocator.malloc(nbytes, labels_as_frames(labels) if self.allocator.recording else None)
         except AllocationFailed as failure:
             # Raised from inside the failing operation, as CUDA's allocator does.
             raise torch.OutOfMemoryError(
@@ -202,7 +203,7 @@ class SimDevice(Device):
         return handle
 
     def freed(self, handle: int) -> None:
-        self.allocator.free(handle)
+        self.allocator.free(handle, labels_as_frames(current_labels()) if self.allocator.recording else None)
         if self.events is not None:
             # Labelled with the moment of the free: the breakdown tells a gradient (freed
             # by zero_grad in the optimizer phase) from a backward temporary by it.
@@ -303,6 +304,16 @@ class CudaDevice(Device):
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.torch_device)
         return f"{self.spec} ({name}, {format_size(self.capacity or 0)})"
+
+
+def labels_as_frames(labels: Labels) -> list[dict[str, Any]]:
+    """What the program was doing, as the one stack frame PyTorch's memory viewer shows:
+    ``module:step:phase`` (the dotted module path, the optimizer step, the phase).
+
+    >>> labels_as_frames(Labels(phase="forward", step=1, module="blocks.0.attn"))
+    [{'filename': 'blocks.0.attn', 'line': 1, 'name': 'forward'}]
+    """
+    return [{"filename": labels.module or "<step>", "line": labels.step, "name": labels.phase}]
 
 
 def _no_cuda_reason() -> str:

@@ -49,7 +49,8 @@ from memfit._plot import png_data_uri
 from memfit._version import __version__
 from memfit.distributed import rank
 from memfit.errors import MemfitError
-from memfit.memory.devices import CudaDevice, Device, active_device
+from memfit.memory.allocator import snapshot_bytes
+from memfit.memory.devices import CudaDevice, Device, SimDevice, active_device
 from memfit.memory.devices import device as make_device
 from memfit.memory.oom import is_oom
 from memfit.monitor.findings import DEFAULT_WINDOW, FindingsStream, MemoryFinding, findings_html
@@ -130,9 +131,10 @@ class Monitor:
         path: JSON lines file to write (replaced if it exists; ``{rank}`` is the rank),
             for ``memfit report``.
         every: record one step in ``every`` (peaks then cover all the steps in between).
-        snapshot: on CUDA, a pickle file for PyTorch's memory viewer
+        snapshot: a pickle file for PyTorch's memory viewer
             (https://pytorch.org/memory_viz): the allocator's history is recorded while
-            the monitor runs and dumped when it exits.
+            the monitor runs and dumped when it exits (on CUDA by PyTorch; on ``sim:``
+            and ``cpu`` by memfit's allocator model, in the same format).
         max_entries: the most allocator events the snapshot keeps.
         window: consecutive recorded steps a leak must persist over.
         synchronize: wait for the GPU at each recorded step, so step times are exact.
@@ -158,10 +160,10 @@ class Monitor:
         if isinstance(window, bool) or not isinstance(window, int) or window < 3:
             raise MemfitError(f"invalid window {window!r}: must be an integer of at least 3")
         self.device = resolve_device(device)
-        if snapshot is not None and not isinstance(self.device, CudaDevice):
+        if snapshot is not None and not isinstance(self.device, (CudaDevice, SimDevice)):
             raise MemfitError(
-                f"snapshot= needs a CUDA device (PyTorch records allocator history only there); "
-                f"{self.device.spec} has none"
+                f"snapshot= needs a CUDA or simulated device (one whose allocator history is recorded); "
+                f"{self.device.spec} is neither"
             )
         self.path = resolve_path(path)
         self.snapshot = Path(snapshot) if snapshot is not None else None
@@ -191,7 +193,10 @@ class Monitor:
         self.device.__enter__()
         try:
             if self.snapshot is not None:
-                torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
+                if isinstance(self.device, SimDevice):
+                    self.device.allocator.record_history(max_entries=self.max_entries)
+                else:
+                    torch.cuda.memory._record_memory_history(max_entries=self.max_entries)
                 self._recording_history = True
             stats = self.device.memory_stats()
             self._baseline = {key: int(stats.get(key, 0)) for key in self._baseline}
@@ -289,6 +294,7 @@ class Monitor:
             "simulated": self.device.simulated,
             "every": self.every,
             "window": self.window,
+            "snapshot": str(self.snapshot) if self.snapshot is not None else None,
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
 
@@ -334,7 +340,10 @@ class Monitor:
         try:
             if self._recording_history and self.snapshot is not None:
                 self._recording_history = False
-                _dump_snapshot(self.snapshot)
+                if isinstance(self.device, SimDevice):
+                    _dump_model_snapshot(self.device, self.snapshot)
+                else:
+                    _dump_snapshot(self.snapshot)
         finally:
             self._active = False
             if self._file is not None:
@@ -350,6 +359,14 @@ def _dump_snapshot(path: Path) -> None:
         write_atomically(path, pickle.dumps(torch.cuda.memory._snapshot()))
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def _dump_model_snapshot(device: SimDevice, path: Path) -> None:
+    """Write the allocator model's history (PyTorch's snapshot format) atomically, then stop recording."""
+    try:
+        write_atomically(path, snapshot_bytes(device.allocator.snapshot()))
+    finally:
+        device.allocator.record_history(enabled=False)
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import io
 import os
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +23,13 @@ from memfit._io import check_writable, write_atomically
 from memfit._plot import png_data_uri
 from memfit._read import load_json
 from memfit.errors import MemfitError
+from memfit.memory.allocator import snapshot_bytes
 from memfit.monitor.findings import MemoryFinding, findings_html
 from memfit.monitor.monitor import Monitor
 from memfit.monitor.runfile import RecordedRun, read_run
 from memfit.monitor.timeline import timeline_png
 from memfit.reporting.figures import estimate_png, plan_png, probe_png
+from memfit.reporting.memory_viz import snapshot_html, viewer_html
 
 __all__ = [
     "write_report",
@@ -35,6 +39,8 @@ __all__ = [
     "results_html",
     "load_result",
     "timeline_path",
+    "load_snapshot",
+    "snapshot_files",
 ]
 
 _CSS = """
@@ -91,6 +97,8 @@ def report_html(
     estimate: Mapping[str, Any] | None = None,
     plan: Mapping[str, Any] | None = None,
     title: str = "memfit report",
+    snapshot: Mapping[str, Any] | None = None,
+    viewer_page: str | None = None,
 ) -> str:
     """The whole page as a string: findings, timeline, run summary, then any results."""
     header = run.header
@@ -112,6 +120,8 @@ def report_html(
         to_html(run.summary()),
     ]
     parts.extend(results_html(probe=probe, estimate=estimate, plan=plan))
+    if snapshot is not None:
+        parts.append(snapshot_html(snapshot, title="the monitored run", viewer_page=viewer_page))
     parts.append("</body></html>\n")
     return "\n".join(parts)
 
@@ -169,14 +179,25 @@ def write_results_report(
     probe: Mapping[str, Any] | None = None,
     estimate: Mapping[str, Any] | None = None,
     plan: Mapping[str, Any] | None = None,
+    snapshot: Mapping[str, Any] | None = None,
+    snapshot_title: str = "one training step",
 ) -> Path:
     """A report of results without a monitored run (what ``memfit fit`` writes): the HTML
-    page, and each figure also as a PNG beside it (``report-probe.png``, ...)."""
+    page, and each figure also as a PNG beside it (``report-probe.png``, ...).
+
+    With ``snapshot`` (an allocator history in PyTorch's memory viewer format) the page
+    embeds it (:mod:`memfit.reporting.memory_viz`), and the pickle and the viewer's page go
+    beside it (``report-snapshot.pickle``, ``report-memory-viz.html``).
+    """
     html_path = check_writable(output, "report")
     for name in ("probe", "estimate", "plan"):
         check_writable(html_path.with_name(f"{html_path.stem}-{name}.png"), "report figure")
     figures: dict[str, bytes] = {}
     body = results_html(doctor=doctor, probe=probe, estimate=estimate, plan=plan, figures=figures)
+    extra_files: dict[Path, bytes] = {}
+    if snapshot is not None:
+        viewer = snapshot_files(html_path, snapshot, extra_files)
+        body.append(snapshot_html(snapshot, title=snapshot_title, viewer_page=viewer))
     page = "\n".join(
         [
             "<!DOCTYPE html>",
@@ -190,8 +211,54 @@ def write_results_report(
     )
     for name, png in figures.items():
         write_atomically(html_path.with_name(f"{html_path.stem}-{name}.png"), png)
+    for path, data in extra_files.items():
+        write_atomically(path, data)
     write_atomically(html_path, page.encode("utf-8"))
     return html_path
+
+
+def snapshot_files(html_path: Path, snapshot: Mapping[str, Any], files: dict[Path, bytes]) -> str:
+    """Add the snapshot's pickle and the viewer's page (beside ``html_path``) to ``files``;
+    return the viewer page's relative link."""
+    viewer = html_path.with_name(f"{html_path.stem}-memory-viz.html")
+    files[html_path.with_name(f"{html_path.stem}-snapshot.pickle")] = snapshot_bytes(dict(snapshot))
+    files[viewer] = viewer_html(snapshot).encode("utf-8")
+    return viewer.name
+
+
+def written_snapshot(run: Any, recorded: RecordedRun) -> Path | None:
+    """The snapshot the monitor wrote, if it is still there (as recorded, or beside the run file)."""
+    written = run.snapshot if isinstance(run, Monitor) else recorded.header.get("snapshot")
+    if not isinstance(written, (str, os.PathLike)):
+        return None
+    places = [Path(written)]
+    if isinstance(run, (str, os.PathLike)):
+        places.append(Path(run).parent / Path(written).name)
+    return next((place for place in places if place.is_file()), None)
+
+
+def load_snapshot(source: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """A snapshot as a dict: given as one, or a pickle file (``torch.cuda.memory._dump_snapshot``'s,
+    or memfit's). Only plain data is unpickled: a file that names any class is refused."""
+    if isinstance(source, Mapping):
+        return dict(source)
+    path = Path(source)
+    try:
+        data = _PlainUnpickler(io.BytesIO(path.read_bytes())).load()
+    except OSError as error:
+        raise MemfitError(f"cannot read the snapshot {path}: {error.strerror or error}") from None
+    except (pickle.UnpicklingError, EOFError, ValueError) as error:
+        raise MemfitError(f"{path} is not a memory snapshot (a pickle of plain data): {error}") from None
+    if not isinstance(data, Mapping) or not isinstance(data.get("segments"), list):
+        raise MemfitError(f"{path} is not a memory snapshot: no segments (write one with memfit estimate --snapshot)")
+    return dict(data)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles lists, dicts, strings and numbers only: a snapshot never names a class."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
 
 
 # -- files -----------------------------------------------------------------------------
@@ -342,6 +409,7 @@ def write_report(
     estimate: Any = None,
     plan: Any = None,
     title: str = "memfit report",
+    snapshot: Mapping[str, Any] | str | os.PathLike[str] | None = None,
 ) -> ReportFiles:
     """Write the HTML report and, beside it, the timeline PNG; return their paths.
 
@@ -356,6 +424,8 @@ def write_report(
         estimate: an estimate result, likewise.
         plan: a plan result, likewise.
         title: the page's title.
+        snapshot: an allocator snapshot (a dict, or a pickle file) to embed; by default
+            the one the monitor wrote (``Monitor(snapshot=...)``), when it is there.
     """
     html_path = check_writable(output, "report")
     png_path = check_writable(timeline_path(html_path), "report figure")
@@ -370,9 +440,16 @@ def write_report(
         "estimate": load_result(estimate, "estimate") if estimate is not None else None,
         "plan": load_result(plan, "plan") if plan is not None else None,
     }
+    if snapshot is None:
+        snapshot = written_snapshot(run, recorded)
+    loaded = load_snapshot(snapshot) if snapshot is not None else None
     findings = recorded.findings()
     timeline = timeline_png(recorded.header, recorded.records, findings)
-    page = report_html(recorded, timeline, findings, title=title, **results)
+    extra_files: dict[Path, bytes] = {}
+    viewer = snapshot_files(html_path, loaded, extra_files) if loaded is not None else None
+    page = report_html(recorded, timeline, findings, title=title, snapshot=loaded, viewer_page=viewer, **results)
     write_atomically(png_path, timeline)
+    for path, data in extra_files.items():
+        write_atomically(path, data)
     write_atomically(html_path, page.encode("utf-8"))
     return ReportFiles(html=html_path, png=png_path, findings=findings)

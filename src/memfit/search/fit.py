@@ -130,6 +130,35 @@ class FitResult:
         )
 
 
+def _chosen_step_snapshot(
+    workload: Workload, settings: Settings, gpu: Device, say: Say
+) -> tuple[dict[str, Any] | None, str]:
+    """The allocator history of two optimizer steps at the chosen micro-batch, for the
+    report's memory viewer section (fake tensors: the allocator model's view of the device).
+
+    None where fake tensors cannot run the step (said why); accumulation is left out (its
+    micro-batches repeat the first one's memory).
+    """
+    from memfit.estimator.fake import UnsupportedOperation
+    from memfit.estimator.snapshot import step_snapshot
+
+    assert settings.micro_batch_size is not None
+    title = f"two optimizer steps at micro-batch {settings.micro_batch_size}, {settings.precision}" + (
+        ", checkpointing" if settings.checkpointing != "none" else ""
+    )
+    if not workload.builds_fresh_models:
+        return None, title
+    say("report: recording the chosen step's allocator history (fake tensors)")
+    try:
+        snapshot = step_snapshot(
+            workload, settings.micro_batch_size, settings.replace(accumulation_steps=1), device=gpu
+        )
+    except UnsupportedOperation as error:
+        say(f"report: no memory snapshot ({error})")
+        return None, title
+    return snapshot, title
+
+
 def trial_line(measurement: Measurement) -> str:
     """One trial for a progress line: the verdict, the memory, the speed, and what ran it.
 
@@ -303,6 +332,7 @@ def fit(
     if report_dir is not None:
         from memfit.reporting.pages import write_results_report
 
+        snapshot, snapshot_title = _chosen_step_snapshot(wl, best.settings, gpu, say)
         report_path = write_results_report(
             Path(report_dir) / "report.html",
             title=f"memfit fit · {wl.name} on {gpu.describe()}",
@@ -310,6 +340,8 @@ def fit(
             probe=found.to_dict(),
             estimate=predicted.to_dict() if predicted is not None else None,
             plan=chosen.to_dict(),
+            snapshot=snapshot,
+            snapshot_title=snapshot_title,
         )
     path = write_lock(lock, lock_path)  # last: a lock on disk means the whole fit succeeded
     return FitResult(

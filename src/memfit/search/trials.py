@@ -75,7 +75,10 @@ def fake_measure(
     trial measures. Raises whatever the step raises on fake tensors (an OOM is a result).
     """
     settings = (settings or Settings()).replace(micro_batch_size=batch_size)
-    run = run_fake_steps(workload, settings, steps=steps, budget=device.capacity)
+    # The device's own CUDA semantics (attention kernels, autocast lists): a simulated GPU
+    # runs its real steps under them, so its fake ones must too.
+    semantics = device.cuda if isinstance(device, SimDevice) else None
+    run = run_fake_steps(workload, settings, steps=steps, budget=device.capacity, cuda=semantics)
     return Measurement(batch_size, run.fits, run.peak_allocated, run.peak_reserved, None, fake=True)
 
 
