@@ -7,6 +7,7 @@ start: two gloo processes, Lightning's ``ddp`` strategy on the CPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from memfit.integrations.lightning import (  # noqa: E402
     loss_of,
     set_aside_gradients,
 )
+from memfit.search.trials import trial_line  # noqa: E402
 
 SAMPLES = 2048
 #: on this budget a training step at batch 1024 runs out of memory; the probe proves 256 fits and 320 does not
@@ -219,12 +221,15 @@ def test_target_needs_the_probe() -> None:
 # -- one process ------------------------------------------------------------------------------
 
 
-def test_the_guard_recovers_an_oom_and_gives_the_unsplit_weights() -> None:
+def test_the_guard_recovers_an_oom_and_gives_the_unsplit_weights(caplog: pytest.LogCaptureFixture) -> None:
     reference = fit(1024)
     callback = MemfitCallback(probe=False, device=TIGHT)
-    model = fit(1024, [callback])
+    with caplog.at_level(logging.INFO):
+        model = fit(1024, [callback])
     assert callback.splitter is not None
     assert [e.micro_batch_before for e in callback.splitter.events][:1] == [1024]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memfit guard: out of memory")]
+    assert said == [event.describe() for event in callback.splitter.events]  # one line per recovery
     assert callback.splitter.micro_batch_size is not None and callback.splitter.micro_batch_size < 1024
     assert_same_weights(model, reference)
     assert "training_step" not in vars(model)  # the wrapper is gone after fit
@@ -235,12 +240,19 @@ def test_without_the_guard_the_same_run_runs_out_of_memory() -> None:
         fit(1024, [MemfitCallback(probe=False, guard=False, monitor=False, device=TIGHT)])
 
 
-def test_the_probe_keeps_the_target_batch_exact_with_accumulation() -> None:
+def test_the_probe_keeps_the_target_batch_exact_with_accumulation(caplog: pytest.LogCaptureFixture) -> None:
     reference = fit(512)
     callback = MemfitCallback(device=TIGHT, target_batch_size=512, multiple_of=64, max_batch_size=512, headroom=0)
-    model = fit(64, [callback])
+    with caplog.at_level(logging.INFO):
+        model = fit(64, [callback])
     assert callback.result is not None
     assert callback.result.max_batch_size == 256
+    # the probe says what it does, one line per trial, on Lightning's console logger
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memfit: probe")]
+    assert lines[0].startswith("memfit: probe · real trials: the workload's model is an instance")
+    trials = [line for line in lines if line.startswith("memfit: probe · batch")]
+    assert trials == [f"memfit: probe · batch {t.batch_size}: {trial_line(t)}" for t in callback.result.trials]
+    assert any("memfit: probing the batch size" in r.getMessage() for r in caplog.records)
     assert (callback.batch_size, callback.accumulation) == (256, 2)
     assert model.batch_size == 256
     assert_same_weights(model, reference)

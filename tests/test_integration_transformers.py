@@ -8,6 +8,7 @@ give a different gradient.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +90,19 @@ def test_micro_batch_factor(normalized: bool, share: float, expected: float) -> 
     assert micro_batch_factor(normalized, share) == expected
 
 
-def test_an_oom_mid_training_is_recovered_with_the_unsplit_weights(tmp_path: Path) -> None:
+def test_an_oom_mid_training_is_recovered_with_the_unsplit_weights(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     reference_trainer, reference = train(tmp=tmp_path)
-    trainer, model = train(MemfitTrainer, tmp_path, memfit_device=TIGHT)
+    transformers.utils.logging.enable_propagation()  # its logger is its own; let caplog see it
+    try:
+        with caplog.at_level(logging.WARNING):
+            trainer, model = train(MemfitTrainer, tmp_path, memfit_device=TIGHT)
+    finally:
+        transformers.utils.logging.disable_propagation()
     assert trainer.memfit_events, "the batch of 16 should have run out of memory"
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memfit guard:")]
+    assert said == [event.describe() for event in trainer.memfit_events]  # each recovery, one line
     assert trainer.memfit_events[0].micro_batch_before == 16
     assert trainer.memfit_micro_batch_size is not None and trainer.memfit_micro_batch_size < 16
     assert trainer.state.global_step == reference_trainer.state.global_step == 2

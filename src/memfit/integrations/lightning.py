@@ -54,8 +54,10 @@ from memfit.integrations.effective_batch import split_target
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.monitor.monitor import Monitor
-from memfit.search.probe import ProbeResult
+from memfit.run.measure import Measurement
+from memfit.search.probe import TRIAL_STEPS, ProbeResult
 from memfit.search.probe import probe as run_probe
+from memfit.search.trials import trial_line
 from memfit.workload import Workload
 
 __all__ = [
@@ -318,12 +320,25 @@ class MemfitCallback(pl.Callback):
             return first_optimizer(pl_module.configure_optimizers())
 
         workload = Workload(pl_module, make_batch, loss, optimizer, name=type(pl_module).__name__)
+        # One line per trial (rank 0, Lightning's console logger): a probe of real steps
+        # takes minutes on a slow device, and a silent one looks hung.
+        rank_zero_info(
+            f"memfit: probing the batch size of {workload.name} on {self._device.describe()} "
+            f"(each trial runs {TRIAL_STEPS} training steps)"
+        )
+
+        def progress(batch_size: int, measurement: Measurement | None) -> None:
+            if measurement is not None:
+                rank_zero_info(f"memfit: probe · batch {batch_size}: {trial_line(measurement)}")
+
         self.result = run_probe(
             workload,
             self._device,
             max_batch_size=self.max_batch_size,
             multiple_of=self.multiple_of,
             headroom=self.headroom,
+            progress=progress,
+            say=lambda text: rank_zero_info(f"memfit: probe · {text}"),
         )
         # The largest batch within the headroom, not the throughput pick: that depends on
         # timings (so runs would differ), and with a target a larger micro-batch only
@@ -390,7 +405,10 @@ class MemfitCallback(pl.Callback):
                 # their memory is free for this batch, as in a plain Lightning step.
                 earlier = [None] * len(params)
             try:
+                seen = len(splitter.events)
                 result = splitter.run(batch, forward_backward)
+                for event in splitter.events[seen:]:
+                    rank_zero_info(event.describe())  # a recovery re-runs the batch: say why it took longer
                 if ddp is not None:
                     distributed.average_gradients_(params)
                 self._pending = set_aside_gradients(params)

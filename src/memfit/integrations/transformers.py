@@ -47,6 +47,9 @@ from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.monitor.monitor import Monitor
 
+#: transformers' own logger for this module (its verbosity settings apply)
+logger = transformers.utils.logging.get_logger(__name__)
+
 __all__ = ["MemfitTrainer", "MemoryCallback", "MemfitCallback", "micro_batch_factor", "MEMORY_METRICS"]
 
 #: the logged metric names, and the monitor record field each one reads
@@ -223,8 +226,13 @@ class MemfitTrainer(transformers.Trainer):
             return float(loss) / share if share > 0 else 0.0
 
         ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        seen = len(splitter.events)
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
             result = splitter.run(inputs, forward_backward)
+        if self.is_world_process_zero():
+            # A recovered OOM re-runs the batch in halves, a long step: say so, once per event.
+            for event in splitter.events[seen:]:
+                logger.warning(event.describe())
         if ddp is not None:
             distributed.average_gradients_([p for p in model.parameters() if p.requires_grad])
         return torch.tensor(result.loss, device=self.args.device)

@@ -32,7 +32,7 @@ from memfit.run.measure import Measurement
 from memfit.run.settings import Checkpointing, Precision, Settings
 from memfit.search.lock import Lock, Measured, write_lock
 from memfit.search.plan import Candidate, Plan, check_target, plan
-from memfit.search.trials import TrialKind
+from memfit.search.trials import TrialKind, trial_line
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
 
@@ -157,23 +157,6 @@ def _chosen_step_snapshot(
         say(f"report: no memory snapshot ({error})")
         return None, title
     return snapshot, title
-
-
-def trial_line(measurement: Measurement) -> str:
-    """One trial for a progress line: the verdict, the memory, the speed, and what ran it.
-
-    >>> trial_line(Measurement(64, True, 2**20, 2**21, 0.5))
-    'fits, 2.00 MiB reserved, 128.0 samples/s'
-    >>> trial_line(Measurement(64, False, 2**20, 2**21, None, fake=True))
-    'out of memory (fake tensors)'
-    """
-    if not measurement.fits:
-        line = "out of memory"
-    else:
-        line = f"fits, {format_size(measurement.peak_reserved)} reserved"
-        if measurement.samples_per_second:
-            line += f", {measurement.samples_per_second:.1f} samples/s"
-    return line + (" (fake tensors)" if measurement.fake else "")
 
 
 def _probe_progress(say: Say) -> Callable[[int, Measurement | None], None]:

@@ -38,9 +38,18 @@ from memfit.estimator.fake import run_fake_steps
 from memfit.memory.devices import Device, SimDevice
 from memfit.run.measure import Measurement, measure
 from memfit.run.settings import Settings
+from memfit.units import format_size
 from memfit.workload import Workload
 
-__all__ = ["TrialKind", "TRIAL_KINDS", "Trials", "choose_trials", "fake_measure", "fake_trials_unavailable"]
+__all__ = [
+    "TrialKind",
+    "TRIAL_KINDS",
+    "Trials",
+    "choose_trials",
+    "fake_measure",
+    "fake_trials_unavailable",
+    "trial_line",
+]
 
 #: ``auto``: fake tensors on a simulated GPU, real steps elsewhere; ``fake``: fake tensors
 #: wherever they can stand in for the device; ``real``: every trial runs the real step
@@ -170,3 +179,20 @@ def choose_trials(
             trials.tell(f"real trials: {why_not}")
         return trials
     return Trials(workload, device, settings, steps=steps, fake=True, say=say)
+
+
+def trial_line(measurement: Measurement) -> str:
+    """One trial for a progress line: the verdict, the memory, the speed, and what ran it.
+
+    >>> trial_line(Measurement(64, True, 2**20, 2**21, 0.5))
+    'fits, 2.00 MiB reserved, 128.0 samples/s'
+    >>> trial_line(Measurement(64, False, 2**20, 2**21, None, fake=True))
+    'out of memory (fake tensors)'
+    """
+    if not measurement.fits:
+        line = "out of memory"
+    else:
+        line = f"fits, {format_size(measurement.peak_reserved)} reserved"
+        if measurement.samples_per_second:
+            line += f", {measurement.samples_per_second:.1f} samples/s"
+    return line + (" (fake tensors)" if measurement.fake else "")
