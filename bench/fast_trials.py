@@ -52,9 +52,19 @@ def _probe_answer(result: ProbeResult) -> tuple[int, int, str]:
     return result.max_batch_size, result.headroom_batch_size, result.limit
 
 
+#: what a candidate's status says about memory: "too large (estimate)" (the estimator's
+#: search) and "out of memory" (a trial) both say it does not fit
+_VERDICT = {"measured": "fits", "out of memory": "does not fit", "too large (estimate)": "does not fit"}
+
+
 def _plan_answer(result: Plan) -> list[tuple[Any, ...]]:
+    """Each candidate: fits, does not fit, or skipped (dominated); and its peak when it fits."""
     return [
-        (c.settings, c.status, c.measurement.peak_reserved if c.measurement is not None else None)
+        (
+            c.settings,
+            _VERDICT.get(c.status, "skipped"),
+            c.measurement.peak_reserved if c.fits and c.measurement else None,
+        )
         for c in result.candidates
     ]
 
@@ -121,7 +131,8 @@ def main() -> None:
         '(`trials="real"`, the path before fake trials). *fake*: the default on `sim:`, the search on',
         "fake tensors, then the probe's maximum and the next size, and the plan's recommendation, run",
         "for real. Probe answers compared: the largest batch, the headroom batch, the limit. Plan",
-        "(target: twice the maximum): every candidate's status and peak reserved memory, and the",
+        "(target: twice the maximum): every candidate's verdict (fits, does not fit, skipped as dominated)",
+        "and the peak reserved memory of those that fit, and the",
         f"recommendation (ranked by {' / '.join(sorted(ranked))} speed). The two paths of a row ran back to",
         "back, in alternating order. Probe trials: real path's / fake path's real runs / fake path's all.",
         "",

@@ -141,11 +141,10 @@ def test_plan_on_fake_tensors_finds_what_real_trials_find_and_runs_the_choice_fo
 
     fast = plan(ref, 512, device, precisions=["fp32", "bf16"], progress=progress)
 
-    def memory(result):  # what each candidate's trial found: the memory answers
+    def memory(result):  # the memory answers: fits (and its peak), does not fit, or skipped as dominated
+        verdict = {"measured": "fits", "out of memory": "no", "too large (estimate)": "no"}
         return [
-            (c.settings, c.status, c.measurement.fits if c.measurement else None, c.measurement.peak_reserved)
-            if c.measurement
-            else (c.settings, c.status)
+            (c.settings, verdict.get(c.status, "skipped"), c.measurement.peak_reserved if c.fits else None)
             for c in result.candidates
         ]
 
@@ -154,11 +153,13 @@ def test_plan_on_fake_tensors_finds_what_real_trials_find_and_runs_the_choice_fo
     assert not fast.recommended.measurement.fake  # the recommended candidate ran on the device
     # every candidate ran on fake tensors first; those that fit ran on the device after
     # (timed there, for want of a predicted speed), the recommended one among them
+    # (without the estimator's search: a fake trial per candidate, largest first, decides)
     fake_first = [entry[:3] for entry in seen if entry[3]]
     on_device = [entry[:3] for entry in seen if not entry[3]]
-    tried = [(c.settings.micro_batch_size, c.settings.precision, c.settings.checkpointing) for c in real.candidates]
-    assert sorted(fake_first) == sorted(t for t, c in zip(tried, real.candidates, strict=True) if c.measurement)
-    assert sorted(on_device) == sorted(t for t, c in zip(tried, real.candidates, strict=True) if c.fits)
+    tried = [(c.settings.micro_batch_size, c.settings.precision, c.settings.checkpointing) for c in fast.candidates]
+    assert sorted(fake_first) == sorted(t for t, c in zip(tried, fast.candidates, strict=True) if c.measurement)
+    assert sorted(on_device) == sorted(t for t, c in zip(tried, fast.candidates, strict=True) if c.fits)
+    assert all(c.status != "too large (estimate)" for c in fast.candidates)
 
 
 def test_plan_falls_back_to_real_trials_when_a_real_run_disagrees() -> None:

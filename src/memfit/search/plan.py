@@ -18,6 +18,11 @@ The search, cheapest evidence first:
    most promising down; a trial that runs out of memory moves to the next smaller
    micro-batch of its group.
 
+On a simulated GPU the trials run on fake tensors (:mod:`memfit.search.trials`), which
+makes step 2 redundant (the estimator's search is a series of the same fake runs), and
+the candidates they rank then run for real: those without a speed to rank by, and the
+recommended one.
+
 samples/s of a candidate is ``micro_batch / seconds per trial step`` on one device (times
 the world size): a trial step holds one micro-batch and one optimizer step, so it
 slightly favours larger micro-batches, which is also what accumulation rewards.
@@ -438,6 +443,10 @@ def plan(
     on_device = None if run_trial is not trial else choose_trials(trials, wl, gpu, steps=2, say=say)
     if on_device is not None and on_device.fake:
         fake_trials = on_device
+        if predictor is estimated_max_micro_batch:
+            # The estimator's search is a series of the same fake runs; a fake trial per
+            # candidate, largest first, answers the same question with fewer of them.
+            predictor = None
 
         def run_trial(_wl: Workload, s: Settings, _gpu: Device) -> Measurement:
             assert s.micro_batch_size is not None
