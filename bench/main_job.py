@@ -41,7 +41,8 @@ JOBS = {
 
 
 def _run(clone: Path, args: list[str]) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(clone / "src"), "PYTHONUNBUFFERED": "1"}
+    # COLUMNS: rich wraps at the terminal's width; one line per line is easier to read back
+    env = {**os.environ, "PYTHONPATH": str(clone / "src"), "PYTHONUNBUFFERED": "1", "COLUMNS": "1000"}
     started = time.perf_counter()
     completed = subprocess.run(
         [sys.executable, "-m", "memfit", "fit", *args],
@@ -58,7 +59,7 @@ def _run(clone: Path, args: list[str]) -> dict[str, Any]:
     largest = re.search(r"Probe: (the largest batch that fits is (\d+) \(exact\)|at least (\d+) fits)", out)
     plan = re.search(r"Plan for batch (\d+): micro-batch (\d+) x (\d+) accumulation step\(s\) in (\w+)", out)
     # one progress line per trial (rich may wrap a line: join the wrapped parts first)
-    err = re.sub(r"\n(?!memfit fit ·)", " ", completed.stderr)
+    err = re.sub(r"\s*\n(?!memfit fit ·)\s*", " ", completed.stderr)
     trials = [line for line in err.splitlines() if re.match(r"memfit fit · (probe · batch|plan · micro-batch)", line)]
     return {
         "seconds": seconds,
