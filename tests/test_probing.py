@@ -418,6 +418,8 @@ def test_mnist_cnn_recommends_the_largest_verified_batch_within_the_headroom(one
     verified = [t.batch_size for t in result.trials if t.fits and t.peak_reserved <= budget]
     assert result.headroom_batch_size == max(verified)  # a trial proved it within the headroom
     assert result.headroom_batch_size >= result.max_batch_size // 2  # not a batch from the flat start
-    assert len(result.trials) <= 2 + HEADROOM_TRIALS + 2  # the guess, its proof, the headroom, repeats
+    # the search's trials (on sim: on fake tensors; the real runs that confirm them come on top)
+    searched = [t for t in result.trials if t.fake] or list(result.trials)
+    assert len(searched) <= 2 + HEADROOM_TRIALS + 2  # the guess, its proof, the headroom, repeats
     if result.recommended_batch_size != result.headroom_batch_size:  # only on timings that repeat
         assert result.reason.startswith("throughput stops growing") and "timings repeated" in result.reason

@@ -45,7 +45,7 @@ def test_a_fake_trial_measures_what_a_real_trial_measures_on_sim(ref: str, batch
     assert fake.seconds_per_step is None  # fake tensors do no arithmetic: no time to report
 
 
-def test_probe_on_fake_tensors_gives_the_real_answer_confirmed_by_two_real_runs() -> None:
+def test_probe_on_fake_tensors_gives_the_real_answer_confirmed_by_real_runs() -> None:
     real = probe(MLP, "sim:4MiB", trials="real")
     fast = probe(MLP, "sim:4MiB")  # the default on a simulated GPU
     answers = ("max_batch_size", "headroom_batch_size", "limit")
@@ -54,7 +54,8 @@ def test_probe_on_fake_tensors_gives_the_real_answer_confirmed_by_two_real_runs(
     # path's throughput pick among small batches rests on CPU timings).
     assert fast.recommended_batch_size == fast.headroom_batch_size
     on_device = [(t.batch_size, t.fits) for t in fast.trials if not t.fake]
-    assert on_device == [(fast.max_batch_size, True), (fast.max_batch_size + 1, False)]
+    # the smallest batch first (a broken step fails at once), then the search's proof
+    assert on_device == [(1, True), (fast.max_batch_size, True), (fast.max_batch_size + 1, False)]
     # the search itself ran every trial of the real search, on fake tensors, with the same outcomes
     searched = [(t.batch_size, t.fits, t.peak_reserved) for t in fast.trials if t.fake]
     assert searched == [(t.batch_size, t.fits, t.peak_reserved) for t in real.trials]
@@ -63,10 +64,20 @@ def test_probe_on_fake_tensors_gives_the_real_answer_confirmed_by_two_real_runs(
     assert [t["fake"] for t in data["trials"]] == [t.fake for t in fast.trials]
 
 
-def test_a_search_bounded_by_max_batch_size_is_confirmed_by_one_real_run() -> None:
+def test_a_search_bounded_by_max_batch_size_is_confirmed_without_a_proof_above_it() -> None:
     result = probe(MLP, "sim:64MiB", max_batch_size=48, guess=None)
     assert (result.max_batch_size, result.limit) == (48, "max_batch_size")
-    assert [(t.batch_size, t.fits) for t in result.trials if not t.fake] == [(48, True)]
+    assert [(t.batch_size, t.fits) for t in result.trials if not t.fake] == [(1, True), (48, True)]
+
+
+def test_a_nan_loss_fails_at_the_first_real_run_before_the_search() -> None:
+    def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(model(batch[0]), batch[1]) * float("nan")
+
+    seen: list[tuple[int, bool]] = []
+    with pytest.raises(MemfitError, match="the loss at batch 1 is nan"), pytest.warns(UserWarning):
+        probe(linear_workload(loss), "sim:4MiB", progress=lambda b, m: m is not None and seen.append((b, m.fake)))
+    assert seen == [(1, False)]  # no fake trial ran before it
 
 
 def test_a_step_fake_tensors_cannot_run_falls_back_to_real_trials_and_says_why() -> None:

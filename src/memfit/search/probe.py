@@ -235,50 +235,56 @@ def confirmed_search(
 ) -> Search:
     """:func:`search` with ``trials``; an answer found on fake tensors is confirmed for real.
 
-    The confirmation is the proof the search itself makes, run on the device: the maximum
-    fits and the next size does not (one real run when the maximum is the search's
-    bound; when nothing fits, the smallest batch does not). Should a real run disagree
-    (the allocator model and the device part ways), the whole search runs again on real
-    trials, starting from the fake answer, so no answer rests on fake tensors alone.
+    Before the search, the smallest batch runs for real: fake tensors have no values, so a
+    broken step (a NaN loss) would otherwise show only at the end; this way it fails at
+    once, as a search of real trials does, and a step that does not fit even there is
+    proven so on the device. After it, the search's own proof runs on the device: the
+    maximum fits and the next size does not (one real run when the maximum is the
+    search's bound). Should a real run disagree with the fake ones (the allocator model and
+    the device part ways), the whole search runs again on real trials, starting from the
+    fake answer, so no answer rests on fake tensors alone.
     """
     kwargs: dict[str, Any] = {"capacity": capacity, "headroom": headroom, "progress": progress, "describe": describe}
+    if not trials.fake:
+        return search(trials, space, **kwargs)
+    real: list[Measurement] = []
+
+    def run_real(batch_size: int) -> Measurement:
+        if progress is not None:
+            progress(batch_size, None)
+        measured = trials.real(batch_size)
+        real.append(measured)
+        if progress is not None:
+            progress(batch_size, measured)
+        if measured.fits and not measured.finite_loss:
+            raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(measured)))
+        return measured
+
+    def disagreement(batch_size: int, fits: bool, guess: int | None) -> Search:
+        trials.tell(
+            f"a real run at batch {batch_size} {'fit' if fits else 'ran out of memory'} where fake tensors "
+            "said otherwise: the search ran again on real trials"
+        )
+        return search(trials.real, dataclasses.replace(space, guess=guess), **kwargs)
+
+    if not run_real(space.multiple_of).fits:
+        raise DoesNotFitError(_does_not_fit_message(describe, real, space, capacity))
     try:
         found = search(trials, space, **kwargs)
     except DoesNotFitError:
-        if not trials.fake:
-            raise
-        found = None
-    if not trials.fake:
-        return found  # type: ignore[return-value] # search raised unless it found something
-    real: list[Measurement] = []
-    proofs = [space.multiple_of] if found is None else [found.max_batch_size]
-    if found is not None and found.limit == "memory":
-        proofs.append(found.max_batch_size + space.multiple_of)
-    ran = {t.batch_size: t for t in found.trials if not t.fake} if found is not None else {}
-    for batch_size, expected in zip(proofs, (found is not None, False), strict=False):
-        measured = ran.get(batch_size)  # run for real already (the trials fell back)
-        if measured is None:
-            if progress is not None:
-                progress(batch_size, None)
-            measured = trials.real(batch_size)
-            real.append(measured)
-            if progress is not None:
-                progress(batch_size, measured)
-        if measured.fits and not measured.finite_loss:
-            raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(measured)))
+        return disagreement(space.multiple_of, True, None)
+    ran = {t.batch_size: t for t in (*real, *found.trials) if not t.fake}  # real already (or fallen back)
+    proofs = [(found.max_batch_size, True)]
+    if found.limit == "memory":
+        proofs.append((found.max_batch_size + space.multiple_of, False))
+    for batch_size, expected in proofs:
+        measured = ran.get(batch_size) or run_real(batch_size)
         if measured.fits != expected:
-            trials.tell(
-                f"a real run at batch {batch_size} {'fit' if measured.fits else 'ran out of memory'} where fake "
-                "tensors said otherwise: the search ran again on real trials"
-            )
-            guess = found.max_batch_size if found is not None else None
-            return search(trials.real, dataclasses.replace(space, guess=guess), **kwargs)
-    if found is None:
-        raise DoesNotFitError(_does_not_fit_message(describe, real, space, capacity))
+            return disagreement(batch_size, measured.fits, found.max_batch_size)
     # The recommendation stands: throughput needs times, and of the trials only the real
-    # runs have one (fake tensors do no arithmetic), at the maximum and above, where no
-    # smaller batch's time could be compared with it.
-    return dataclasses.replace(found, trials=found.trials + tuple(real))
+    # runs have them (fake tensors do no arithmetic): the smallest batch, the maximum and
+    # the size above it, which the throughput rule does not weigh on single timings.
+    return dataclasses.replace(found, trials=(real[0], *found.trials, *real[1:]))
 
 
 def _loss_value(measurement: Measurement) -> float:
