@@ -61,6 +61,9 @@ def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
     peak = max(moment.reserved for moment in timeline(snapshot))
     assert peak == chosen.measurement.peak_reserved
     assert "<h2>Memory viewer</h2>" in page and 'download="memfit-snapshot.pickle"' in page
+    # the predicted speed of the chosen settings on the simulated GPU's card, in the summary
+    predicted = f"{chosen.predicted_samples_per_second:,.1f} samples/s"
+    assert f"Predicted speed on the {result.plan.speed_gpu}: {predicted}" in "\n".join(result.summary())
     assert f"two optimizer steps at micro-batch {chosen.settings.micro_batch_size}, {chosen.settings.precision}" in page
 
 

@@ -162,15 +162,18 @@ def test_plan_on_fake_tensors_finds_what_real_trials_find_and_runs_the_choice_fo
     assert memory(fast) == memory(real)
     assert fast.recommended is not None and fast.recommended.measurement is not None
     assert not fast.recommended.measurement.fake  # the recommended candidate ran on the device
-    # every candidate ran on fake tensors first; those that fit ran on the device after
-    # (timed there, for want of a predicted speed), the recommended one among them
-    # (without the estimator's search: a fake trial per candidate, largest first, decides)
+    # Every candidate tried ran on fake tensors (a fake trial per candidate, largest first,
+    # in place of the estimator's search); the predicted speed ranked them, so only the
+    # recommended one ran on the device.
+    assert fast.ranked_by == real.ranked_by == "predicted"
     fake_first = [entry[:3] for entry in seen if entry[3]]
     on_device = [entry[:3] for entry in seen if not entry[3]]
     tried = [(c.settings.micro_batch_size, c.settings.precision, c.settings.checkpointing) for c in fast.candidates]
     assert sorted(fake_first) == sorted(t for t, c in zip(tried, fast.candidates, strict=True) if c.measurement)
-    assert sorted(on_device) == sorted(t for t, c in zip(tried, fast.candidates, strict=True) if c.fits)
+    chosen = fast.recommended.settings
+    assert on_device == [(chosen.micro_batch_size, chosen.precision, chosen.checkpointing)]
     assert all(c.status != "too large (estimate)" for c in fast.candidates)
+    assert chosen == real.recommended.settings  # the same speeds rank the same memory answers
 
 
 def test_plan_falls_back_to_real_trials_when_a_real_run_disagrees() -> None:
