@@ -56,9 +56,10 @@ def test_probe_on_fake_tensors_gives_the_real_answer_confirmed_by_real_runs() ->
     on_device = [(t.batch_size, t.fits) for t in fast.trials if not t.fake]
     # the smallest batch first (a broken step fails at once), then the search's proof
     assert on_device == [(1, True), (fast.max_batch_size, True), (fast.max_batch_size + 1, False)]
-    # the search itself ran every trial of the real search, on fake tensors, with the same outcomes
+    # the search itself ran every trial of the real search, on fake tensors, with the same
+    # outcomes (the real path may time a batch again for the throughput rule: a repeat)
     searched = [(t.batch_size, t.fits, t.peak_reserved) for t in fast.trials if t.fake]
-    assert searched == [(t.batch_size, t.fits, t.peak_reserved) for t in real.trials]
+    assert searched == list(dict.fromkeys((t.batch_size, t.fits, t.peak_reserved) for t in real.trials))
     data = fast.to_dict()
     assert data["fake_trials"] == len(searched) and data["trials_note"] is None
     assert [t["fake"] for t in data["trials"]] == [t.fake for t in fast.trials]
