@@ -77,7 +77,7 @@ def test_table_shows_the_breakdown_and_the_verdict(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     expected = estimate(TINY, 8, gpu="RTX 3090", world_size=2, shard="optimizer")
     rows = {cells[0]: cells[1] for cells in table_rows(out) if len(cells) >= 2}
-    for category in ("optimizer state", "activations", "ddp buckets", "cuda context", "cublas workspace"):
+    for category in ("optimizer state", "communication buffers", "cuda context", "cublas workspace"):
         assert rows[category] == format_size(expected.breakdown[category])
     assert rows["total"] == format_size(expected.total)
     card = lookup("RTX 3090")

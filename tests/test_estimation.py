@@ -177,11 +177,15 @@ def test_apply_sharding(shard: str, states: int, buckets: int) -> None:
     assert reserved == allocated + 2 * MiB + (20 * MiB - buckets if buckets else 0)
 
 
-def test_estimate_with_full_sharding_divides_the_states() -> None:
+def test_estimate_with_full_sharding_traces_fsdp2_shards() -> None:
     one = estimate(MLP, 8, search=False)
     four = estimate(MLP, 8, world_size=4, shard="full", search=False)
-    assert four.breakdown["parameters"] == -(-one.breakdown["parameters"] // 4)
-    assert four.breakdown["optimizer state"] == -(-one.breakdown["optimizer state"] // 4)
+    # FSDP2 keeps ceil(rows / 4) rows of each of the six parameters, one allocation each
+    # (512 B blocks): [64,16], [64], [64,256], [64], [4,256], [4] in fp32
+    shards = 4096 + 512 + 65536 + 512 + 4096 + 512
+    assert four.method == "traced" and four.breakdown["parameters"] == shards
+    assert four.breakdown["optimizer state"] == 2 * shards + 6 * 512  # AdamW: two moments and a step each
+    assert four.breakdown["unsharded parameters"] == MLP_PARAMS  # the root unit's full parameters
     assert four.peak_allocated < one.peak_allocated
 
 

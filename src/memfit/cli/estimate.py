@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import click
 from rich.table import Table
 
-from memfit.cli.options import console, json_option, make_settings, print_json, settings_options, workload_argument
+from memfit._io import check_writable
+from memfit.cli.options import (
+    console,
+    json_option,
+    make_settings,
+    print_json,
+    settings_options,
+    strategy,
+    strategy_options,
+    workload_argument,
+)
 from memfit.errors import MemfitError
 from memfit.estimator.estimate import Estimate, estimate
-from memfit.estimator.sharding import SHARDS
 from memfit.units import format_size
-
-if TYPE_CHECKING:
-    from memfit.estimator.sharding import Shard
 
 
 @click.command("estimate")
@@ -63,14 +68,7 @@ if TYPE_CHECKING:
     "(default: this torch's CUDA, else ./memfit.lock's, else a current CUDA 12).",
 )
 @settings_options
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs training together.")
-@click.option(
-    "--shard",
-    type=click.Choice(SHARDS),
-    default="none",
-    show_default=True,
-    help="Shard optimizer state (ZeRO-1), + gradients (ZeRO-2), or everything (ZeRO-3/FSDP).",
-)
+@strategy_options
 @click.option(
     "--snapshot",
     "snapshot_path",
@@ -95,6 +93,7 @@ def command(
     world_size: int,
     shard: str,
     snapshot_path: Path | None,
+    shard_group_size: int | None,
     as_json: bool,
 ) -> None:
     """Predict the peak GPU memory of WORKLOAD's training step and what takes it.
@@ -102,13 +101,18 @@ def command(
     Runs two optimizer steps on fake tensors (no memory, no arithmetic), as CUDA would run
     them (its attention kernels, autocast lists, fused dropout, cuDNN RNNs). With a target
     (--gpu, --memory or --device sim:SIZE) and no --batch-size it finds the largest batch
-    that fits (--max-batch: also with --batch-size).
+    that fits (--max-batch: also with --batch-size). With --world-size N the figures are
+    one rank's, traced through DDP, ZeRO-1 or FSDP2 on a fake process group of N ranks.
     """
     if snapshot_path is not None and world_size > 1:
         raise MemfitError(
             "--snapshot records one GPU's unsharded step: drop --world-size (or estimate with --world-size 1)"
         )
-    settings = make_settings(precision, checkpointing, accumulation_steps=accumulation_steps)
+    if snapshot_path is not None:
+        check_writable(snapshot_path, "--snapshot")  # before the work, not after it
+    settings = make_settings(
+        precision, checkpointing, accumulation_steps=accumulation_steps, **strategy(world_size, shard, shard_group_size)
+    )
     result = estimate(
         workload,
         batch_size,
@@ -116,8 +120,6 @@ def command(
         gpu=gpu,
         memory=memory,
         device=device_spec,
-        world_size=world_size,
-        shard=cast("Shard", shard),
         fixed_costs=fixed_costs,
         cuda_version=cuda_version if cuda_version is not None else locked_cuda_version(),
         search=max_batch,
@@ -147,6 +149,8 @@ def command(
     speed = speed_line(result)
     if speed:
         console.print(speed)
+    if result.world_size > 1:
+        console.print(method_line(result))
     if snapshot_path is not None:
         console.print(
             f"snapshot: {snapshot_path} (open it at https://pytorch.org/memory_viz, "
@@ -174,7 +178,7 @@ def breakdown_table(result: Estimate) -> Table:
     if result.cuda_version is not None:
         title += f" · CUDA {result.cuda_version}"
     if result.world_size > 1:
-        title += f" · {result.world_size} ranks, shard {result.shard}"
+        title += f" · rank {result.rank} of {result.world_size}, shard {result.shard}"
     table = Table(title=title)
     table.add_column("at the peak")
     table.add_column("memory", justify="right")
@@ -196,6 +200,16 @@ def modules_table(result: Estimate) -> Table:
     for row in result.top_modules:
         table.add_row(row["module"], format_size(row["bytes"]))
     return table
+
+
+def method_line(result: Estimate) -> str:
+    """Where the per-rank figures come from: a trace of PyTorch's components, or formulas."""
+    if result.method == "traced":
+        return (
+            f"Per-rank figures for rank {result.rank} (the rank holding the most), traced through "
+            f"{result.strategy} on a fake process group of {result.world_size} ranks."
+        )
+    return f"[yellow]Per-rank figures from formulas:[/yellow] {result.method_note}."
 
 
 def summary_line(result: Estimate) -> str:

@@ -17,9 +17,11 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.memory.devices import device
+from memfit.run.parallel import SHARDS
 from memfit.search.fit import fit
 
 if TYPE_CHECKING:
+    from memfit.run.parallel import Shard
     from memfit.run.settings import Checkpointing, Precision
     from memfit.search.trials import TrialKind
 
@@ -42,6 +44,19 @@ if TYPE_CHECKING:
 )
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
 @settings_axes_options
+@click.option(
+    "--shard",
+    "shards",
+    type=click.Choice(SHARDS),
+    multiple=True,
+    help="Sharding strategies the plan considers with --world-size > 1 (repeatable; default: all).",
+)
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="GPUs per machine: the plan adds hybrid sharding (FSDP2 within a node).",
+)
 @click.option(
     "--headroom",
     type=click.FloatRange(0, 1, max_open=True),
@@ -83,6 +98,8 @@ def command(
     world_size: int,
     precisions: tuple[str, ...],
     checkpointing: tuple[str, ...],
+    shards: tuple[str, ...],
+    gpus_per_node: int | None,
     headroom: float,
     lock_path: str,
     report_dir: str,
@@ -103,6 +120,8 @@ def command(
         world_size=world_size,
         precisions=cast("tuple[Precision, ...]", precisions) or None,
         checkpointing=cast("tuple[Checkpointing, ...]", checkpointing) or None,
+        shards=cast("tuple[Shard, ...]", shards) or None,
+        gpus_per_node=gpus_per_node,
         lock_path=lock_path,
         report_dir=report_dir,
         run_doctor=not no_doctor,

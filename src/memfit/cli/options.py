@@ -131,6 +131,30 @@ def trials_option(function: F) -> F:
     )(function)
 
 
+def strategy_options(function: F) -> F:
+    """--world-size, --shard and --shard-group-size: how many ranks, and how they share the model."""
+    from memfit.run.parallel import SHARDS
+
+    function = click.option(
+        "--shard-group-size",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="G",
+        help="FSDP2 shards within groups of G ranks and replicates across groups (hybrid sharding, HSDP).",
+    )(function)
+    function = click.option(
+        "--shard",
+        type=click.Choice(SHARDS),
+        default="none",
+        show_default=True,
+        help="none: DDP; optimizer: DDP + ZeRO-1; gradients: FSDP2 keeping full parameters "
+        "from forward to backward; full: FSDP2.",
+    )(function)
+    return click.option(
+        "--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs (ranks) training together."
+    )(function)
+
+
 def json_option(function: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")(function)
 
@@ -140,6 +164,14 @@ def make_settings(precision: str, checkpointing: str, **extra: Any) -> Settings:
     from memfit.run.settings import Settings
 
     return Settings(precision=cast("Precision", precision), checkpointing=cast("Checkpointing", checkpointing), **extra)
+
+
+def strategy(world_size: int, shard: str, shard_group_size: int | None) -> dict[str, Any]:
+    """The strategy options as Settings fields, checked before any long work (one line, exit 2)."""
+    from memfit.run.parallel import check_strategy
+
+    check_strategy(shard, world_size, shard_group_size)
+    return {"world_size": world_size, "shard": shard, "shard_group_size": shard_group_size}
 
 
 def size_or_none(text: str | None) -> int | None:

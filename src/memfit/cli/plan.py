@@ -19,11 +19,13 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.memory.devices import device
+from memfit.run.parallel import SHARDS
 from memfit.search.plan import Candidate, Plan, check_target, plan
 from memfit.units import format_size
 from memfit.workload import load_workload
 
 if TYPE_CHECKING:
+    from memfit.run.parallel import Shard
     from memfit.run.settings import Checkpointing, Precision
     from memfit.search.trials import TrialKind
 
@@ -39,6 +41,19 @@ if TYPE_CHECKING:
 )
 @device_options
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
+@click.option(
+    "--shard",
+    "shards",
+    type=click.Choice(SHARDS),
+    multiple=True,
+    help="Sharding strategies to consider with --world-size > 1 (repeatable; default: all).",
+)
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="GPUs per machine: adds hybrid sharding (FSDP2 within a node) when the world spans nodes.",
+)
 @settings_axes_options
 @click.option(
     "--headroom",
@@ -69,6 +84,8 @@ def command(
     device_spec: str,
     memory: str | None,
     world_size: int,
+    shards: tuple[str, ...],
+    gpus_per_node: int | None,
     precisions: tuple[str, ...],
     checkpointing: tuple[str, ...],
     headroom: float,
@@ -78,7 +95,12 @@ def command(
     trials: str,
     as_json: bool,
 ) -> None:
-    """Choose micro-batch, accumulation, precision and checkpointing that reach TARGET fastest."""
+    """Choose micro-batch, accumulation, precision, checkpointing and (for several GPUs) the
+    sharding strategy that reach TARGET fastest.
+
+    With --world-size N each trial rehearses the rank that holds the most on a fake process
+    group of N ranks (its memory on the device exactly; its time without communication).
+    """
     check_target(target, world_size)  # before the workload is loaded
     if plot:
         check_writable(plot, "--plot")  # before the candidates run, not after them
@@ -88,13 +110,18 @@ def command(
     def progress(c: Candidate) -> None:
         s = c.settings
         ran = " (fake tensors)" if c.measurement is not None and c.measurement.fake else ""
-        err_console.print(f"  tried micro-batch {s.micro_batch_size} {s.precision} {s.checkpointing}: {c.status}{ran}")
+        strategy = (f" {s.shard}" + (f"/{s.shard_group_size}" if s.shard_group_size else "")) if world_size > 1 else ""
+        err_console.print(
+            f"  tried micro-batch {s.micro_batch_size} {s.precision} {s.checkpointing}{strategy}: {c.status}{ran}"
+        )
 
     result = plan(
         wl,
         target,
         gpu,
         world_size=world_size,
+        shards=cast("tuple[Shard, ...]", shards) or None,
+        gpus_per_node=gpus_per_node,
         precisions=cast("tuple[Precision, ...]", precisions) or None,
         checkpointing=cast("tuple[Checkpointing, ...]", checkpointing) or None,
         reference_batch_size=reference_batch,
@@ -128,10 +155,14 @@ def write_plot(result: Plan, path: str) -> None:
 
 def print_plan(result: Plan) -> None:
     """The candidates table, the recommendation and the advice."""
-    table = Table(title=f"memfit plan · {result.workload} → batch {result.target_batch_size} on {result.device}")
+    ranks = f" x {result.world_size} ranks" if result.world_size > 1 else ""
+    table = Table(title=f"memfit plan · {result.workload} → batch {result.target_batch_size} on {result.device}{ranks}")
     predicted = result.ranked_by == "predicted"
     speed = f"samples/s on {result.speed_gpu}" if predicted else "samples/s"
-    columns = ["micro", "accum", "precision", "checkpointing", "status", "peak reserved", speed]
+    columns = ["micro", "accum", "precision", "checkpointing"]
+    if result.world_size > 1:
+        columns.append("strategy")
+    columns += ["status", "peak reserved", speed]
     if predicted:
         columns.append("measured (CPU)" if result.device.startswith(("sim", "cpu")) else "measured")
     for column in (*columns, "Pareto"):
@@ -142,11 +173,13 @@ def print_plan(result: Plan) -> None:
             continue
         s, m = c.settings, c.measurement
         mark = "★" if c is result.recommended else ("•" if id(c) in front else "")
+        strategy = [f"{s.shard}" + (f"/{s.shard_group_size}" if s.shard_group_size else "")]
         table.add_row(
             str(s.micro_batch_size),
             str(s.accumulation_steps),
             s.precision,
             s.checkpointing,
+            *(strategy if result.world_size > 1 else []),
             c.status,
             format_size(m.peak_reserved) if m else "-",
             *(

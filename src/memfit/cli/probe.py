@@ -27,6 +27,8 @@ from memfit.cli.options import (
     make_settings,
     print_json,
     settings_options,
+    strategy,
+    strategy_options,
     trials_option,
     workload_argument,
 )
@@ -74,6 +76,7 @@ EXPECTED_TRIALS = 10
 @click.option("--no-estimate", is_flag=True, help="Search from batch 1 instead of starting at the estimate.")
 @settings_options
 @trials_option
+@strategy_options
 @click.option(
     "--plot",
     "plot_path",
@@ -95,6 +98,9 @@ def command(
     precision: str,
     checkpointing: str,
     trials: str,
+    world_size: int,
+    shard: str,
+    shard_group_size: int | None,
     plot_path: Path | None,
     as_json: bool,
 ) -> None:
@@ -107,7 +113,7 @@ def command(
     if plot_path is not None:
         check_writable(plot_path, "--plot")  # before the trials, not after them
     wl = load_workload(workload)
-    settings = make_settings(precision, checkpointing)
+    settings = make_settings(precision, checkpointing, **strategy(world_size, shard, shard_group_size))
     with process_group():
         gpu = make_device(rank_device(device_spec), memory=memory)
         main = distributed.is_main_process()
@@ -168,6 +174,12 @@ def summary(result: ProbeResult) -> str:
         else "the --max-batch-size bound"
     )
     ranks = f" (smallest over {result.world_size} ranks)" if result.world_size > 1 else ""
+    if "rehearsed_rank" in result.extra:
+        ranks = (
+            f" per rank of {result.extra['rehearsed_world_size']} ({result.extra['strategy']}; rank "
+            f"{result.extra['rehearsed_rank']}, the one holding the most, rehearsed on a fake process group: "
+            "samples/s without communication)"
+        )
     return (
         f"largest batch that fits: [bold]{result.max_batch_size}[/bold]{ranks} ({bound})\n"
         f"recommended batch: [bold]{result.recommended_batch_size}[/bold]: {result.reason}\n"

@@ -20,6 +20,18 @@ category               rule
                        intermediate results, recomputed activations, optimizer scratch)
 =====================  =========================================================================
 
+Under a distributed strategy the code of DDP and FSDP2 labels its own memory (the
+``role`` of :class:`~memfit.memory.tracker.Labels`, set by
+:mod:`memfit.run.parallel` and :mod:`memfit.estimator.distributed_trace`):
+
+==========================  ====================================================================
+``communication buffers``   DDP's gradient buckets (and its broadcast buffers), FSDP2's
+                            all-gather and reduce-scatter buffers; a reduce-scatter's output
+                            that outlives backward is the sharded gradient (``gradients``)
+``unsharded parameters``    FSDP2's full parameters of a unit, gathered for its forward and
+                            backward
+==========================  ====================================================================
+
 >>> from memfit.memory.tracker import Labels
 >>> events = [
 ...     ("alloc", 1, 4096, Labels()),                                  # a parameter
@@ -44,10 +56,23 @@ from dataclasses import dataclass, field
 
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.tracker import Labels
+from memfit.run.parallel import COMMUNICATION, UNSHARDED
 
-__all__ = ["analyze", "Peak", "classify", "CATEGORIES", "PHASE_ORDER", "outlives_phase"]
+__all__ = [
+    "analyze",
+    "Peak",
+    "classify",
+    "CATEGORIES",
+    "ROLES",
+    "COMMUNICATION",
+    "UNSHARDED",
+    "PHASE_ORDER",
+    "outlives_phase",
+]
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "temporaries")
+#: the categories DDP and FSDP2 name themselves (through ``Labels.role``)
+ROLES = (COMMUNICATION, UNSHARDED)
 
 #: order of the phases within one step, for "freed after its phase ended"
 PHASE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
@@ -87,7 +112,14 @@ def outlives_phase(born: Labels, died: Labels | None) -> bool:
 
 
 def classify(born: Labels, died: Labels | None, before_first_step: bool) -> str:
-    """The category of one allocation (see the module's table)."""
+    """The category of one allocation (see the module's tables)."""
+    if born.role == COMMUNICATION:
+        # A reduce-scatter's output is the rank's shard of the gradient: it outlives backward.
+        if born.phase == "backward" and outlives_phase(born, died):
+            return "gradients"
+        return COMMUNICATION
+    if born.role:
+        return born.role
     if before_first_step:
         return "parameters"
     if born.phase in ("backward", "optimizer", "forward") and outlives_phase(born, died):
@@ -136,12 +168,12 @@ def analyze(events: Sequence[Event], top: int = 10, budget: int | None = None, a
             alive.discard(handle)
     if pending_peak and at is None:
         peak_alive = set(alive)
-    categories = dict.fromkeys(CATEGORIES, 0)
+    categories = dict.fromkeys(CATEGORIES, 0)  # a role appears only when something holds it
     modules: dict[str, int] = defaultdict(int)
     for handle in peak_alive:
         labels, early = born[handle]
         category = classify(labels, died.get(handle), early)
-        categories[category] += block[handle]
+        categories[category] = categories.get(category, 0) + block[handle]
         if category == "activations":
             modules[labels.module or "<outside modules>"] += block[handle]
     gradient_sizes = [

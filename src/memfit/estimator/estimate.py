@@ -23,9 +23,17 @@ The target:
 
 ``total`` = peak reserved + fixed costs; ``fits`` means the steps ran within the budget;
 ``max_batch_size`` is found by fake runs at growing batch sizes (doubling, then
-bisection). With ``world_size > 1`` the one-GPU breakdown is divided as
-:mod:`memfit.estimator.sharding` documents (ZeRO-1/2/3, FSDP; DDP buckets), the allocator overhead
-of the one-GPU run kept, and ``fits`` is ``total <= memory``.
+bisection).
+
+With ``world_size > 1`` (and a ``shard`` strategy) every figure is one rank's: the steps
+run as that rank of a fake process group of N ranks, wrapped by PyTorch's own DDP,
+ZeroRedundancyOptimizer or FSDP2 (:mod:`memfit.estimator.distributed_trace`), within the
+per-rank budget; the breakdown adds ``communication buffers`` (DDP's buckets, FSDP2's
+all-gather and reduce-scatter buffers) and ``unsharded parameters`` (FSDP2's full
+parameters of a unit). ``method`` is ``"traced"``. Where tracing cannot run (no
+torch.distributed, or a process in a real process group with a workload a separate
+process cannot load) the one-GPU breakdown is divided as :mod:`memfit.estimator.sharding`
+documents, ``method`` is ``"formulas"`` and ``method_note`` says why.
 
 >>> est = estimate("mlp:layers=1,width=16,features=16", batch_size=2, device="sim:64MiB", search=False)
 >>> est.fits, est.total == est.peak_reserved
@@ -36,11 +44,13 @@ True
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from memfit._html import HtmlRepr
 from memfit.batch_search import Outcome, SearchSpace, answer, run_search
@@ -49,15 +59,25 @@ from memfit.cuda.context import resolve_cuda_version
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
 from memfit.estimator import sharding
-from memfit.estimator.breakdown import CATEGORIES, Peak, analyze
-from memfit.estimator.fake import run_fake_steps
-from memfit.estimator.sharding import Shard
+from memfit.estimator.breakdown import CATEGORIES, ROLES, Peak, analyze
+from memfit.estimator.distributed_trace import (
+    Runner,
+    TraceUnavailable,
+    child_reference,
+    load_in_child,
+    run_in_child,
+    serve_child,
+    tracing,
+    unavailable_reason,
+)
+from memfit.estimator.fake import FakeRun, run_fake_steps
 from memfit.estimator.speed import speed_gpu, step_time
 from memfit.estimator.timing import OpTrace, StepTime
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
+from memfit.run.parallel import Shard, check_strategy, describe
 from memfit.run.settings import Settings
 from memfit.units import format_size, parse_size
 from memfit.workload import Workload, load_workload
@@ -180,6 +200,15 @@ class Estimate(HtmlRepr):
     max_batch_size: int | None
     world_size: int = 1
     shard: str = "none"
+    shard_group_size: int | None = None
+    #: how the ranks train ("DDP (DistributedDataParallel)", "FSDP2 fully_shard", ...)
+    strategy: str = ""
+    #: "single GPU"; "traced" (one rank of a fake process group); "formulas" (the fallback)
+    method: str = "single GPU"
+    #: why the figures come from formulas, when they do
+    method_note: str = ""
+    #: the rank the figures are for: the one holding the most
+    rank: int = 0
     #: the CUDA version the fixed costs are for ("12.8"; None when none were derived)
     cuda_version: str | None = None
     #: the CUDA semantics the fake steps followed (GPU, CUDA and torch versions), or None
@@ -241,15 +270,13 @@ class _Prediction:
     """
 
     def __init__(
-        self, workload: Workload, settings: Settings, target: Target, budget: int | None, count_ops: bool = False
+        self, run: Runner, settings: Settings, target: Target, budget: int | None, count_ops: bool = False
     ) -> None:
         if budget is not None and budget <= 0:
             raise MemfitError(f"the fixed costs ({format_size(target.fixed_total)}) leave no memory on {target.name}")
-        self._workload, self._settings, self._target = workload, settings, target
+        self._runner, self._settings = run, settings
         self._count_ops = count_ops
-        self._run = run_fake_steps(
-            workload, settings, foreach=target.cuda, budget=budget, cuda=target.semantics, count_ops=count_ops
-        )
+        self._run = run(settings, budget, count_ops)
         self._budget = budget
         self.fits = self._run.fits
         #: the allocator model's peak reserved bytes of the budgeted run (what the search needs)
@@ -268,18 +295,15 @@ class _Prediction:
         if self._peak is None:
             if not self._run.fits:
                 # What a batch that does not fit would need: the same steps without a limit.
-                self._run = run_fake_steps(
-                    self._workload,
-                    self._settings,
-                    foreach=self._target.cuda,
-                    budget=None,
-                    cuda=self._target.semantics,
-                    count_ops=self._count_ops,
-                )
+                self._run = self._runner(self._settings, None, self._count_ops)
                 self._budget = None
             self._peak = analyze(self._run.events, budget=self._budget)
             self._run.events = []  # the replay is done: let the events go
         return self._peak
+
+
+#: how the per-rank figures were found
+Method = Literal["single GPU", "traced", "formulas"]
 
 
 def estimate(
@@ -290,8 +314,9 @@ def estimate(
     gpu: str | GPU | None = None,
     memory: int | str | None = None,
     device: str | Device | None = None,
-    world_size: int = 1,
-    shard: Shard = "none",
+    world_size: int | None = None,
+    shard: Shard | None = None,
+    shard_group_size: int | None = None,
     fixed_costs: int | str | None = None,
     cuda_version: str | tuple[int, ...] | None = None,
     search: bool | None = None,
@@ -300,20 +325,27 @@ def estimate(
 ) -> Estimate:
     """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
 
-    Give at most one target: ``gpu``, ``memory`` or ``device``.
+    Give at most one target: ``gpu``, ``memory`` or ``device``. With ``world_size > 1``
+    every figure is one rank's (the rank that holds the most), traced through PyTorch's
+    own DDP, ZeroRedundancyOptimizer or FSDP2 on a fake process group
+    (:mod:`memfit.estimator.distributed_trace`); where tracing cannot run, from formulas
+    (:mod:`memfit.estimator.sharding`), and ``method`` says so.
 
     Args:
         workload: a :class:`memfit.Workload` or a reference, resolved once here.
         batch_size: the micro-batch (samples per forward/backward) on each rank. Without
             it, on a target with memory, the estimate is at the largest batch that fits (or
             at 1 when none does); without memory, at 1.
-        settings: precision, checkpointing and accumulation.
+        settings: precision, checkpointing, accumulation and strategy.
         gpu: a GPU model from the table (``"RTX 3090"``, ``"NVIDIA A100-SXM4-80GB"``).
         memory: a CUDA GPU whose allocator may reserve this much (``"16GiB"``).
         device: the simulated GPU itself (``"sim:8GiB"``): no fixed costs.
-        world_size: ranks training together.
-        shard: what the ranks divide among them (``none``: DDP; ``optimizer``: ZeRO-1;
-            ``gradients``: ZeRO-2; ``full``: ZeRO-3 / FSDP).
+        world_size: ranks training together (default: ``settings.world_size``).
+        shard: what the ranks divide among them (default: ``settings.shard``): ``none``
+            (DDP), ``optimizer`` (ZeRO-1), ``gradients`` (FSDP2 keeping full parameters
+            from forward to backward), ``full`` (FSDP2).
+        shard_group_size: FSDP2 shards within groups of this many ranks and replicates
+            across groups (hybrid sharding; default: ``settings.shard_group_size``).
         fixed_costs: override the memory the allocator never sees (CUDA context,
             workspaces).
         cuda_version: the CUDA of the torch build that will train (``"11.8"``,
@@ -324,11 +356,10 @@ def estimate(
         search_limit: the largest batch worth proving (tried first; when it fits the
             search ends at once).
         speed: also predict the step time on the target's card (``gpu``, or the
-            simulated GPU's card; see :mod:`memfit.estimator.timing`).
+            simulated GPU's card; see :mod:`memfit.estimator.timing`; one GPU only).
     """
     wl = load_workload(workload)
-    settings = settings or Settings()
-    sharding.check(world_size, shard)
+    settings = _with_strategy(settings or Settings(), world_size, shard, shard_group_size)
     if batch_size is not None and batch_size < 1:
         raise MemfitError(f"invalid batch size {batch_size}: must be at least 1")
     target = resolve_target(gpu, memory, device, fixed_costs, cuda_version)
@@ -336,48 +367,212 @@ def estimate(
         search = batch_size is None
     if settings.precision == "bf16" and not target.bf16:
         raise MemfitError(f"{target.name} does not support bf16: use --precision fp16 or fp32")
-    sharded = world_size > 1
+    if settings.world_size > 1 and dist.is_available() and dist.is_initialized():
+        # This process is in a real process group (torchrun, Lightning): the fake one is
+        # made in a separate process, which loads the workload again by reference.
+        try:
+            request: dict[str, Any] = {
+                "workload": child_reference(wl),
+                "batch_size": batch_size,
+                "settings": settings.to_dict(),
+                "target": target,
+                "search": search,
+                "search_limit": search_limit,
+                "speed": speed,
+            }
+            answer: dict[str, Any] = run_in_child("memfit.estimator.estimate", request, "the estimate")
+            return Estimate(**answer)
+        except TraceUnavailable as why:
+            return _estimate(wl, batch_size, settings, target, search, search_limit, speed, fallback=str(why))
+    return _estimate(wl, batch_size, settings, target, search, search_limit, speed)
+
+
+def _with_strategy(settings: Settings, world_size: int | None, shard: Shard | None, group_size: int | None) -> Settings:
+    """``settings`` with the strategy arguments given (each checked, in one line)."""
+    changes: dict[str, Any] = {}
+    if world_size is not None:
+        changes["world_size"] = world_size
+    if shard is not None:
+        changes["shard"] = shard
+    if group_size is not None:
+        changes["shard_group_size"] = group_size
+    if not changes:
+        return settings
+    merged = {**settings.to_dict(), **changes}
+    check_strategy(merged["shard"], merged["world_size"], merged["shard_group_size"])
+    return settings.replace(**changes)
+
+
+def _estimate(
+    wl: Workload,
+    batch_size: int | None,
+    settings: Settings,
+    target: Target,
+    search: bool,
+    search_limit: int | None,
+    speed: bool,
+    fallback: str | None = None,
+) -> Estimate:
+    """The estimate in this process: traced (or on one GPU), or by formulas when ``fallback`` says why."""
+    world = settings.world_size
+    reason = fallback or unavailable_reason(settings)
+    if world > 1 and reason is None:
+        try:
+            with tracing(wl, settings, foreach=target.cuda, cuda=target.semantics) as (run, rank):
+                return _search_and_show(wl, batch_size, settings, target, search, search_limit, speed, run, rank)
+        except TraceUnavailable as why:
+            reason = str(why)
+    if world > 1:
+        return _by_formulas(wl, batch_size, settings, target, search, search_limit, str(reason))
+    with tracing(wl, settings, foreach=target.cuda, cuda=target.semantics) as (run, _):
+        return _search_and_show(wl, batch_size, settings, target, search, search_limit, speed, run, 0)
+
+
+def _search_and_show(
+    wl: Workload,
+    batch_size: int | None,
+    settings: Settings,
+    target: Target,
+    search: bool,
+    search_limit: int | None,
+    speed: bool,
+    run: Runner,
+    rank: int,
+) -> Estimate:
+    """Fake runs at growing batch sizes within the (per-rank) budget, then the breakdown."""
     cache: dict[int, _Prediction] = {}
+    single = settings.world_size <= 1
 
     def predict(b: int) -> _Prediction:
-        # Sharded: the one-GPU run is unlimited, and the divided total decides.
         if b not in cache:
-            budget = None if sharded else target.budget
             # Counting the operations costs a few per cent of a fake run: only where the
             # predicted time may be needed (the given batch, or every batch of a search).
-            count = speed and target.speed is not None and target.cuda and batch_size in (None, b)
-            cache[b] = _Prediction(wl, settings.replace(micro_batch_size=b), target, budget, count)
+            count = single and speed and target.speed is not None and target.cuda and batch_size in (None, b)
+            cache[b] = _Prediction(run, settings.replace(micro_batch_size=b), target, target.budget, count)
         return cache[b]
 
     def outcome(b: int) -> Outcome:
         prediction = predict(b)
-        if not sharded:
-            return Outcome(b, prediction.fits, prediction.peak_reserved if prediction.fits else 0)
-        _, _, reserved = apply_sharding(prediction.peak, world_size, shard)
+        return Outcome(b, prediction.fits, prediction.peak_reserved if prediction.fits else 0)
+
+    max_batch = _search(outcome, target, target.budget, batch_size, search, search_limit)
+    chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
+    prediction = predict(chosen)
+    peak = prediction.peak
+    step = (
+        _predicted_time(wl, settings.replace(micro_batch_size=chosen), target, prediction, settings.world_size)
+        if speed
+        else None
+    )
+    return _result(
+        wl,
+        chosen,
+        settings,
+        target,
+        dict(peak.categories),
+        peak.peak_allocated,
+        peak.peak_reserved,
+        peak,
+        prediction.fits if target.memory is not None else None,
+        max_batch,
+        step=step,
+        method="traced" if not single else "single GPU",
+        rank=rank,
+    )
+
+
+def _by_formulas(
+    wl: Workload,
+    batch_size: int | None,
+    settings: Settings,
+    target: Target,
+    search: bool,
+    search_limit: int | None,
+    reason: str,
+) -> Estimate:
+    """The fallback: one GPU's unlimited run, its states divided as the formulas say."""
+    one = settings.replace(world_size=1, shard="none", shard_group_size=None)
+    cache: dict[int, _Prediction] = {}
+
+    def run(chosen: Settings, budget: int | None, count_ops: bool) -> FakeRun:
+        return run_fake_steps(
+            wl, chosen, foreach=target.cuda, budget=budget, cuda=target.semantics, count_ops=count_ops
+        )
+
+    def predict(b: int) -> _Prediction:
+        if b not in cache:
+            cache[b] = _Prediction(run, one.replace(micro_batch_size=b), target, None)
+        return cache[b]
+
+    def outcome(b: int) -> Outcome:
+        _, _, reserved = apply_sharding(predict(b).peak, settings.world_size, settings.shard)
         total = reserved + target.fixed_total
         return Outcome(b, target.memory is not None and total <= target.memory, total)
 
-    max_batch = None
-    if target.memory is not None and (batch_size is None or search):
-        capacity = target.memory if sharded else target.budget
-        if search_limit is not None:
-            max_batch = largest_fitting(outcome, capacity, limit=search_limit, guess=search_limit)
-        else:
-            max_batch = largest_fitting(outcome, capacity)
+    max_batch = _search(outcome, target, target.memory, batch_size, search, search_limit)
     chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
-    prediction = predict(chosen)
-    categories, allocated, reserved = apply_sharding(prediction.peak, world_size, shard)
-    total = reserved + target.fixed_total
-    breakdown = {name: categories.get(name, 0) for name in (*CATEGORIES, "ddp buckets") if name in categories}
+    peak = predict(chosen).peak
+    categories, allocated, reserved = apply_sharding(peak, settings.world_size, settings.shard)
+    return _result(
+        wl,
+        chosen,
+        settings,
+        target,
+        categories,
+        allocated,
+        reserved,
+        peak,
+        outcome(chosen).fits if target.memory is not None else None,
+        max_batch,
+        step=None,
+        method="formulas",
+        note=(
+            f"tracing cannot run here ({reason}): per-rank figures from formulas "
+            "(memfit.estimator.sharding), which leave out FSDP's all-gather and reduce-scatter "
+            "buffers and the full parameters of each unit"
+        ),
+    )
+
+
+def _search(
+    outcome: Callable[[int], Outcome],
+    target: Target,
+    capacity: int | None,
+    batch_size: int | None,
+    search: bool,
+    search_limit: int | None,
+) -> int | None:
+    if target.memory is None or (batch_size is not None and not search):
+        return None
+    if search_limit is not None:
+        return largest_fitting(outcome, capacity, limit=search_limit, guess=search_limit)
+    return largest_fitting(outcome, capacity)
+
+
+def _result(
+    wl: Workload,
+    chosen: int,
+    settings: Settings,
+    target: Target,
+    categories: dict[str, int],
+    allocated: int,
+    reserved: int,
+    peak: Peak,
+    fits: bool | None,
+    max_batch: int | None,
+    *,
+    step: StepTime | None,
+    method: Method,
+    rank: int = 0,
+    note: str = "",
+) -> Estimate:
+    names = (*CATEGORIES, *ROLES, "ddp buckets")
+    breakdown = {name: categories[name] for name in names if name in categories}
     breakdown["allocator overhead"] = reserved - allocated
     # Each fixed cost by its name (cuda context, cublas workspace, cudnn workspace), or
     # one line when there is none to name (a simulated GPU) or the user gave the total.
     breakdown.update(target.fixed or {"fixed costs": 0})
-    step = (
-        _predicted_time(wl, settings.replace(micro_batch_size=chosen), target, prediction, world_size)
-        if speed
-        else None
-    )
+    world = settings.world_size
     return Estimate(
         workload=wl.name,
         batch_size=chosen,
@@ -387,13 +582,18 @@ def estimate(
         peak_allocated=allocated,
         peak_reserved=reserved,
         fixed_costs=dict(target.fixed),
-        total=total,
+        total=reserved + target.fixed_total,
         breakdown=breakdown,
-        top_modules=[{"module": name, "bytes": nbytes} for name, nbytes in prediction.peak.top_modules],
-        fits=outcome(chosen).fits if target.memory is not None else None,
+        top_modules=[{"module": name, "bytes": nbytes} for name, nbytes in peak.top_modules],
+        fits=fits,
         max_batch_size=max_batch,
-        world_size=world_size,
-        shard=shard,
+        world_size=world,
+        shard=settings.shard,
+        shard_group_size=settings.shard_group_size,
+        strategy=describe(settings.shard, world, settings.shard_group_size),
+        method=method,
+        method_note=note,
+        rank=rank,
         cuda_version=None if target.cuda_version is None else "{}.{}".format(*target.cuda_version),
         cuda=target.semantics.describe() if target.semantics is not None else None,
         predicted_seconds_per_step=step.seconds_per_step if step else None,
@@ -420,3 +620,21 @@ def _predicted_time(
     if trace is not None:
         return step_time(workload, settings, card, trace=trace)
     return step_time(workload, settings, card, foreach=True)
+
+
+def _answer(request: dict[str, Any]) -> dict[str, Any]:
+    """The child's side of an estimate asked for by a process in a real process group
+    (a dict: run as ``__main__``, this module's classes are not the parent's)."""
+    return _estimate(
+        load_in_child(request["workload"]),
+        request["batch_size"],
+        Settings(**request["settings"]),
+        request["target"],
+        request["search"],
+        request["search_limit"],
+        request["speed"],
+    ).to_dict()
+
+
+if __name__ == "__main__":
+    sys.exit(serve_child(_answer))

@@ -49,7 +49,7 @@ from memfit.estimator.timing import OpCounter, OpTrace
 from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
-from memfit.memory.tracker import Labels, StorageTracker, current_labels
+from memfit.memory.tracker import Labels, StorageTracker, _storages, current_labels
 from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
 from memfit.workload import Workload
@@ -128,6 +128,19 @@ class _FakeStepTracker(StorageTracker):
 
     #: counts each operation's FLOPs and bytes for the predicted step time (None: off)
     counter: OpCounter | None = None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func is torch.ops.aten.lift_fresh.default:
+            # torch.tensor(0.0) (an optimizer's step count) is made outside fake mode and
+            # lifted to its fake twin: only the twin lives on, so only the twin is counted,
+            # as a real run counts the one tensor once.
+            out = self._call(func, args, kwargs or {})
+            for storage in _storages(out):
+                self._see(storage)
+            return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

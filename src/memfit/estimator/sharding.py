@@ -1,6 +1,8 @@
-"""What one rank holds when N ranks share a model: ZeRO-1/2/3, FSDP, DDP buckets.
+"""The formulas' fallback: what one rank holds when N ranks share a model, by division.
 
-Per rank, with P, G, O the parameter, gradient and optimizer-state bytes of the model
+The estimator traces DDP, ZeRO-1 and FSDP2 on a fake process group
+(:mod:`memfit.estimator.distributed_trace`); these formulas serve only where that cannot
+run, and the estimate says so (``method="formulas"``). Per rank, with P, G, O the parameter, gradient and optimizer-state bytes of the model
 on one GPU and N the world size (ceil division, so no byte is lost):
 
 ==============  ======================================  ======================  ==============
@@ -27,16 +29,13 @@ all-gather of one unit's full parameters) are not counted.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
 
 from memfit.errors import MemfitError
+from memfit.run.parallel import SHARDS, Shard
 from memfit.units import MiB
 
 __all__ = ["Shard", "SHARDS", "shard_states", "bucket_sizes", "uses_ddp_buckets", "FIRST_BUCKET", "BUCKET_CAP", "check"]
 
-#: what N ranks divide among them: nothing (DDP), optimizer state, + gradients, + parameters
-Shard = Literal["none", "optimizer", "gradients", "full"]
-SHARDS: tuple[Shard, ...] = ("none", "optimizer", "gradients", "full")
 FIRST_BUCKET = 1 * MiB  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 BUCKET_CAP = 25 * MiB  # DistributedDataParallel(bucket_cap_mb=25)
 

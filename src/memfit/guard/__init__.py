@@ -5,7 +5,9 @@
   recovery, for loops memfit does not own (the Lightning and transformers integrations);
 - :mod:`memfit.guard.policy`: which micro-batch size to run (pure);
 - :mod:`memfit.guard.batching`: splitting a user's batch, counting its samples, joining outputs;
-- :mod:`memfit.guard.gradients`: setting gradients aside and adding them back.
+- :mod:`memfit.guard.gradients`: setting gradients aside and adding them back;
+- :mod:`memfit.guard.fsdp`: FSDP2 models: heartbeats so ranks stop together, local
+  accumulation and one reduce-scatter per batch.
 """
 
 from memfit.guard.gradients import add_gradients, set_aside_gradients

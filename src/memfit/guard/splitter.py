@@ -15,7 +15,8 @@ Three layers, each usable alone:
   to run, pure arithmetic;
 - :class:`Splitter`: run one batch through a ``forward_backward(micro_batch, share)``
   function in micro-batches with OOM recovery, gradients discarded between attempts and,
-  under DDP, every rank agreeing and gradients averaged once per step. It owns no
+  under DDP, every rank agreeing and gradients averaged once per step (under FSDP2, ranks
+  that stop together and one reduce-scatter: :mod:`memfit.guard.fsdp`). It owns no
   optimizer, so a Lightning or transformers integration can call it from its own loop;
 - :class:`Guard`: a training step for a plain loop: the splitter, then ``optimizer.step()``
   (through the ``GradScaler`` if given) and ``zero_grad``.
@@ -59,6 +60,7 @@ from memfit.guard.batching import (
     output_batch_dim,
     split_batch,
 )
+from memfit.guard.fsdp import FSDPGuarding, PeerOutOfMemory, guarding
 from memfit.guard.gradients import (
     add_gradients,
     drop_gradients,
@@ -318,6 +320,8 @@ class Splitter:
         self.events: list[OOMEvent] = []
         self.steps = 0
         self.last: SplitResult | None = None
+        #: FSDP2's heartbeats and local accumulation while a batch runs (None otherwise)
+        self._fsdp: FSDPGuarding | None = None
         self._warned_batchnorm = False
 
     # -- what callers read -------------------------------------------------------------
@@ -348,11 +352,14 @@ class Splitter:
         had_oom = False
         finished = False
         try:
-            with _no_collectives_in_forward_backward(self.model):
+            with _no_collectives_in_forward_backward(self.model), guarding(self.model) as fsdp:
+                self._fsdp = fsdp
                 while True:
                     size = self.policy.size_for(samples)
                     attempts += 1
                     attempt = self._attempt(batch, samples, size, total_weight, forward_backward)
+                    if fsdp is not None:
+                        fsdp.finish_attempt(attempt.failure is not None)
                     verdict = self._agree(attempt.failure, size, params)
                     if verdict.failed_size is None:
                         break
@@ -390,16 +397,26 @@ class Splitter:
         sizes = chunk_sizes(samples, size)
         attempt = _Attempt(micro_batches=len(micro_batches))
         total: float | torch.Tensor | None = None
-        for index, (micro, count) in enumerate(zip(micro_batches, sizes)):
-            share = self._share(micro, count, samples, total_weight)
+        runs = len(micro_batches) if self._fsdp is None else self._fsdp.agree_count(len(micro_batches))
+        for index in range(runs):
+            padding = index >= len(micro_batches)  # FSDP2: keeping step with a rank that has more
+            micro = micro_batches[-1] if padding else micro_batches[index]
+            count = 0 if padding else sizes[index]
+            share = 0.0 if padding else self._share(micro, count, samples, total_weight)
+            if self._fsdp is not None:
+                self._fsdp.before_micro_batch(index, runs)
             try:
-                with self.layout.expect(count):
+                with self.layout.expect(sizes[-1] if padding else count):
                     loss = forward_backward(micro, share)
+            except PeerOutOfMemory:
+                break  # FSDP2: another rank ran out of memory; its verdict comes in the agreement
             except BaseException as error:
                 if not is_oom(error):
                     raise
                 attempt.failure = self._failure(index, error)
                 break  # leave the except block: the traceback holds this micro-batch's tensors
+            if padding:
+                continue
             loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
             weighted = loss if share == 1.0 else loss * share
             total = weighted if total is None else total + weighted
@@ -418,6 +435,8 @@ class Splitter:
         failed_size = verdict.failed_size
         assert failed_size is not None
         breakdown = self._breakdown(failure, params, kept) if failed_size <= 1 else None
+        if self._fsdp is not None:
+            self._fsdp.discard()
         drop_gradients(params)
         self._release_memory()
         if self.on_discard is not None:

@@ -43,6 +43,9 @@ class Labels:
     phase: str = "other"  # "forward", "backward", "optimizer", "other"
     step: int = -1  # optimizer step index, -1 outside a step
     module: str = ""  # dotted path of the innermost module running its forward
+    #: what the allocating code says the memory is for, when it knows better than the phase
+    #: ("communication buffers", "unsharded parameters": DDP's and FSDP2's own memory)
+    role: str = ""
 
 
 _state = threading.local()
@@ -78,14 +81,34 @@ class StorageListener(Protocol):
         """The storage behind ``handle`` was freed."""
 
 
+#: tensor type -> True when it is a wrapper subclass (DTensor) whose memory is its inner tensors'
+_WRAPPERS: dict[type, bool] = {}
+
+
+def _is_wrapper(kind: type) -> bool:
+    wrapper = _WRAPPERS.get(kind)
+    if wrapper is None:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass_type
+
+        wrapper = _WRAPPERS[kind] = is_traceable_wrapper_subclass_type(kind)
+    return wrapper
+
+
 def _tensors(value: Any, found: list[torch.Tensor]) -> None:
     """Collect the tensors in an operation's nested lists, tuples and dicts.
 
     Why not a pytree flatten: this runs twice per operation, and ATen arguments are only
     ever these containers; the plain walk is markedly cheaper (it matters for the fake
-    steps of a 7B model).
+    steps of a 7B model). A wrapper subclass (FSDP2's and ZeRO's DTensor) owns no memory
+    of its own: its storage reports the *global* size; what a GPU holds is its inner
+    (local) tensors, so those are collected instead.
     """
     if isinstance(value, torch.Tensor):
+        if _is_wrapper(type(value)):
+            attrs, _ = value.__tensor_flatten__()  # type: ignore[attr-defined]
+            for attr in attrs:
+                _tensors(getattr(value, attr), found)
+            return
         found.append(value)
     elif isinstance(value, (list, tuple)):
         for item in value:
@@ -103,6 +126,56 @@ def _storages(values: Any) -> Iterator[torch.UntypedStorage]:
             yield tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
             continue
+
+
+# -- storage resizes: FSDP2 allocates and frees unsharded parameters by resizing storages ----
+#
+# ``UntypedStorage.resize_`` is not an ATen operation, so no dispatch mode sees it; FSDP2
+# frees each unit's full parameters with ``storage.resize_(0)`` and brings them back with
+# ``storage.resize_(nbytes)``. While a tracker is active on a thread, ``resize_`` is
+# wrapped so that thread's trackers see the new size at once (a free, or an allocation).
+
+_active = threading.local()
+_resize_lock = threading.Lock()
+_resize_users = 0
+_original_resize: Any = None
+
+
+def _active_trackers() -> list[StorageTracker]:
+    trackers: list[StorageTracker] | None = getattr(_active, "trackers", None)
+    if trackers is None:
+        trackers = _active.trackers = []
+    return trackers
+
+
+def _resize_and_report(storage: torch.UntypedStorage, size: int) -> Any:
+    out = _original_resize(storage, size)
+    for tracker in list(getattr(_active, "trackers", ())):
+        tracker._see(storage)
+    return out
+
+
+def _watch_resizes(tracker: StorageTracker) -> None:
+    global _resize_users, _original_resize
+    with _resize_lock:
+        if _resize_users == 0:
+            _original_resize = torch.UntypedStorage.resize_
+            torch.UntypedStorage.resize_ = _resize_and_report  # type: ignore[method-assign,assignment]
+        _resize_users += 1
+    _active_trackers().append(tracker)
+
+
+def _unwatch_resizes(tracker: StorageTracker) -> None:
+    global _resize_users
+    trackers = _active_trackers()
+    if tracker in trackers:
+        trackers.reverse()
+        trackers.remove(tracker)  # the innermost entry
+        trackers.reverse()
+    with _resize_lock:
+        _resize_users -= 1
+        if _resize_users == 0:
+            torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
 
 
 class StorageTracker(TorchDispatchMode):
@@ -142,6 +215,21 @@ class StorageTracker(TorchDispatchMode):
             self.listener.freed(handle)
 
     # -- the dispatch mode -------------------------------------------------------------
+
+    def __enter__(self) -> StorageTracker:
+        _watch_resizes(self)
+        try:
+            super().__enter__()
+        except BaseException:
+            _unwatch_resizes(self)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _unwatch_resizes(self)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None

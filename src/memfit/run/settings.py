@@ -7,6 +7,10 @@
   transformers model through its own ``gradient_checkpointing_enable``).
 - ``micro_batch_size`` and ``accumulation_steps``: one optimizer step sees
   ``micro_batch_size * accumulation_steps`` samples.
+- ``world_size``, ``shard`` and ``shard_group_size``: how many ranks train together and
+  how they share the model (DDP, ZeRO-1, FSDP2, hybrid sharding; see
+  :mod:`memfit.run.parallel`). With ``world_size=1`` (the default) nothing is wrapped,
+  even inside a process group: each rank then trains on its own.
 
 >>> s = Settings(precision="bf16", micro_batch_size=8, accumulation_steps=4)
 >>> s.batch_size
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from memfit.errors import MemfitError
+from memfit.run.parallel import SHARDS, Parallel, Shard, Units, check_strategy, parallelize
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +47,9 @@ __all__ = [
     "enable_checkpointing",
     "autocast",
     "make_scaler",
+    "Applied",
+    "Shard",
+    "SHARDS",
 ]
 
 #: how forward and loss run: fp32, or bf16/fp16 autocast (fp16 with a GradScaler)
@@ -62,12 +70,21 @@ class Settings:
             their activations in backward).
         micro_batch_size: samples per forward/backward pass (None: not chosen yet).
         accumulation_steps: micro-batches per optimizer step.
+        world_size: ranks training together (the process group must have as many).
+        shard: how ranks share the model: ``none`` (DDP), ``optimizer`` (ZeRO-1),
+            ``gradients`` (FSDP2 keeping full parameters from forward to backward),
+            ``full`` (FSDP2).
+        shard_group_size: FSDP2 shards within groups of this many ranks and replicates
+            across groups (hybrid sharding); None: one group of every rank.
     """
 
     precision: Precision = "fp32"
     checkpointing: Checkpointing = "none"
     micro_batch_size: int | None = None
     accumulation_steps: int = 1
+    world_size: int = 1
+    shard: Shard = "none"
+    shard_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -78,6 +95,7 @@ class Settings:
             raise MemfitError(f"invalid micro-batch size {self.micro_batch_size}: must be at least 1")
         if self.accumulation_steps < 1:
             raise MemfitError(f"invalid accumulation steps {self.accumulation_steps}: must be at least 1")
+        check_strategy(self.shard, self.world_size, self.shard_group_size)
 
     @property
     def batch_size(self) -> int | None:
@@ -94,11 +112,35 @@ class Settings:
 
     # -- applying the settings in a user's own loop ------------------------------------
 
-    def apply(self, model: nn.Module) -> Callable[[], None]:
-        """Apply checkpointing to ``model``; return a function that undoes it."""
-        if self.checkpointing == "blocks":
-            return enable_checkpointing(model)
-        return lambda: None
+    def apply(self, model: nn.Module, *, units: Units | None = None, device: torch.device | None = None) -> Applied:
+        """Apply checkpointing to ``model``, then wrap it for the ranks of the process group
+        (with ``world_size > 1``: the process group must have that many ranks).
+
+        Returns an :class:`Applied`: ``.model`` is what to train (a DDP wrapper, or the
+        model itself, sharded in place by FSDP2), ``.optimizer(make)`` makes its optimizer
+        (ZeRO-1 under ``shard="optimizer"``); calling it undoes the checkpointing.
+
+        Args:
+            model: the model, already on its device.
+            units: the modules that become FSDP2 units (default: the repeated blocks).
+            device: where FSDP2 puts each rank's shards (default: where the parameters
+                are; give ``"cuda"`` for a model built on the CPU).
+        """
+        undo: Callable[[], None] = enable_checkpointing(model) if self.checkpointing == "blocks" else (lambda: None)
+        try:
+            parallel = parallelize(
+                model,
+                self.shard,
+                self.world_size,
+                units=units or find_blocks,
+                group_size=self.shard_group_size,
+                precision=self.precision,
+                device=device,
+            )
+        except BaseException:
+            undo()
+            raise
+        return Applied(parallel, undo)
 
     def autocast(self, device_type: str = "cuda") -> contextlib.AbstractContextManager[None]:
         """The autocast context for forward and loss (a no-op for fp32)."""
@@ -107,6 +149,37 @@ class Settings:
     def scaler(self, device_type: str = "cuda") -> torch.amp.GradScaler:
         """A GradScaler, enabled only for fp16."""
         return make_scaler(self.precision, device_type)
+
+
+class Applied:
+    """What :meth:`Settings.apply` did to a model.
+
+    ``model`` is what to train; :meth:`optimizer` makes its optimizer; calling the object
+    (or :meth:`undo`) undoes the checkpointing. A strategy is not undone: DDP is a wrapper
+    to drop, and FSDP2 shards the model in place for good.
+    """
+
+    def __init__(self, parallel: Parallel, undo: Callable[[], None]) -> None:
+        self.parallel = parallel
+        self._undo = undo
+
+    @property
+    def model(self) -> nn.Module:
+        """The module to call in forward: DDP around the model, or the model itself."""
+        return self.parallel.model
+
+    def optimizer(
+        self, make_optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.AdamW(params)
+    ) -> torch.optim.Optimizer:
+        """``make_optimizer(model.parameters())``, sharded by ZeRO-1 under ``shard="optimizer"``."""
+        return self.parallel.optimizer(make_optimizer)
+
+    def undo(self) -> None:
+        """Undo the checkpointing (the strategy stays)."""
+        self._undo()
+
+    def __call__(self) -> None:
+        self._undo()
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[None]:

@@ -28,7 +28,8 @@ from torch import nn
 from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device
 from memfit.memory.tracker import labelled
-from memfit.run.settings import Settings, autocast, make_scaler
+from memfit.run.parallel import collective_internals_untracked
+from memfit.run.settings import Applied, Settings, autocast, make_scaler
 from memfit.workload import Workload, move_to
 
 __all__ = ["run_steps", "StepRun", "module_labels"]
@@ -62,33 +63,55 @@ def run_steps(
     if not device.supports(settings.precision):
         raise MemfitError(f"{device.describe()} does not support {settings.precision}")
     result = StepRun()
-    with device:
+    sharded = settings.world_size > 1 and settings.shard in ("gradients", "full")
+    if sharded and not workload.builds_fresh_models:
+        raise MemfitError(
+            f"workload {workload.name!r}: FSDP2 shards a model in place for good; "
+            "give the workload a model factory so each run builds its own"
+        )
+    early: tuple[nn.Module, Applied] | None = None
+    if sharded:
+        # FSDP2 is handed a model built off the device (the CPU, meta) and moves only
+        # each rank's shards there, as sharded training at scale does: the whole model
+        # never sits on one GPU, so its construction is not counted.
         model = workload.build_model()
-        if not _is_on(model, device.torch_device):
-            # Why the check: ``Module.to`` swaps every parameter of a fake-tensor model
-            # (the estimator's) and fails; a model already in place needs no move.
-            model.to(device.torch_device)
-        device.adopt(list(model.parameters()) + list(model.buffers()))
+        early = (model, _apply_on(settings, model, workload, device))
+    with device:
+        if early is None:
+            model = workload.build_model()
+            if not _is_on(model, device.torch_device):
+                # Why the check: ``Module.to`` swaps every parameter of a fake-tensor model
+                # (the estimator's) and fails; a model already in place needs no move.
+                model.to(device.torch_device)
+            device.adopt(list(model.parameters()) + list(model.buffers()))
+            # Checkpointing, then the strategy (DDP, ZeRO-1) for settings.world_size ranks.
+            applied = settings.apply(model, units=workload.fsdp_units)
+        else:
+            model, applied = early
+            device.adopt(list(model.parameters()) + list(model.buffers()))  # the shards
         was_training = model.training
         model.train()
-        undo_checkpointing = settings.apply(model)
+        trained = applied.model
         optimizer = None
         try:
-            optimizer = workload.optimizer(model.parameters())
+            optimizer = applied.optimizer(workload.optimizer)
             scaler = make_scaler(settings.precision, device.autocast_device_type)
-            with module_labels(model) if label_modules else _nothing():
+            with (
+                module_labels(model) if label_modules else _nothing(),
+                collective_internals_untracked() if settings.world_size > 1 else _nothing(),
+            ):
                 for step in range(steps):
                     device.synchronize()
                     started = time.perf_counter()
-                    result.losses.append(_one_step(workload, settings, device, model, optimizer, scaler, step))
+                    result.losses.append(_one_step(workload, settings, device, trained, optimizer, scaler, step))
                     device.synchronize()
                     result.step_seconds.append(time.perf_counter() - started)
         finally:
-            undo_checkpointing()
+            applied.undo()
             model.train(was_training)
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
-            del optimizer, model
+            del optimizer, model, trained, applied
     return result
 
 
@@ -143,6 +166,19 @@ def _check_loss(workload: Workload, loss: object) -> None:
             f"workload {workload.name!r}: its loss does not depend on the model's parameters "
             "(requires_grad is False: a detached copy, or computed under torch.no_grad())"
         )
+
+
+def _apply_on(settings: Settings, model: nn.Module, workload: Workload, device: Device) -> Applied:
+    """Checkpointing and FSDP2, with the shards placed on ``device`` (its current GPU)."""
+    where = device.torch_device
+    if where.type != "cuda":
+        return settings.apply(model, units=workload.fsdp_units, device=where)
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(where)
+    try:
+        return settings.apply(model, units=workload.fsdp_units, device=where)
+    finally:
+        torch.cuda.set_device(previous)
 
 
 def _is_on(model: nn.Module, where: torch.device) -> bool:

@@ -29,6 +29,7 @@ from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
+from memfit.run.parallel import Shard
 from memfit.run.settings import Checkpointing, Precision, Settings
 from memfit.search.lock import Lock, Measured, write_lock
 from memfit.search.plan import Candidate, Plan, check_target, plan
@@ -200,6 +201,8 @@ def fit(
     world_size: int = 1,
     precisions: Sequence[Precision] | None = None,
     checkpointing: Sequence[Checkpointing] | None = None,
+    shards: Sequence[Shard] | None = None,
+    gpus_per_node: int | None = None,
     lock_path: str | os.PathLike[str] = "memfit.lock",
     report_dir: str | os.PathLike[str] | None = "memfit-report",
     run_doctor: bool = True,
@@ -217,9 +220,13 @@ def fit(
         headroom: the fraction of memory the recommendation leaves free (probe's
             recommended batch and plan's chosen settings both keep it).
         max_batch_size: the largest batch worth considering.
-        world_size: ranks sharing the target batch.
+        world_size: ranks sharing the target batch. With more than one, estimate and probe
+            look at one rank under FSDP2 (``shard="full"``, the strategy that holds least;
+            rehearsed on a fake process group), and the plan weighs every strategy.
         precisions: the precisions plan considers (default: all the device supports).
         checkpointing: the checkpointing modes plan considers (default: all the model has).
+        shards: the sharding strategies the plan considers (default: all).
+        gpus_per_node: GPUs per machine, for hybrid sharding in the plan.
         lock_path: where to write ``memfit.lock``.
         report_dir: where to write the HTML report and its figures (None: no report).
         run_doctor: check the environment first.
@@ -252,11 +259,13 @@ def fit(
         diagnosis = diagnose(machine)
     predicted = None
     estimate_error = None
+    # One rank's view: alone, or under the strategy that holds least (the plan weighs the others).
+    first = Settings() if world_size <= 1 else Settings(world_size=world_size, shard="full")
     if gpu.capacity is not None and wl.builds_fresh_models:
         # (a model instance comes with the script's own optimizer: see probing.estimated_guess)
         say("estimate: predicting peak memory on fake tensors")
         try:
-            predicted = estimate(wl, None, Settings(), device=gpu)
+            predicted = estimate(wl, None, first, device=gpu)
         except Exception as error:  # noqa: BLE001 - as probe does: the trials that follow decide
             # Why go on: fake tensors cannot run every step (a value read in forward); the
             # estimate only saves trials. A bug in the step shows up in the first trial.
@@ -267,6 +276,7 @@ def fit(
     found = probe(
         wl,
         gpu,
+        first,
         headroom=headroom,
         max_batch_size=max_batch_size,
         guess=predicted.max_batch_size if predicted else None,  # no second estimate
@@ -281,6 +291,8 @@ def fit(
         target,
         gpu,
         world_size=world_size,
+        shards=shards,
+        gpus_per_node=gpus_per_node,
         precisions=precisions,
         checkpointing=checkpointing,
         headroom=headroom,

@@ -3,7 +3,8 @@
 A lock is TOML with a schema version. It records the workload reference the user gave
 (``memfit.load_workload(lock.workload)`` loads it again; None for a Workload made in
 code, which the lock says in ``[workload] note``), the Settings
-the plan chose (precision, checkpointing, micro-batch, accumulation), the target batch,
+the plan chose (precision, checkpointing, micro-batch, accumulation, and for several GPUs
+the world size and sharding strategy), the target batch,
 the measured peak memory and samples/s with the headroom kept, and the environment
 fingerprint (:mod:`memfit.environment.envfile`). :func:`check_lock` compares the fingerprint with this
 machine, so a changed GPU, torch or driver is noticed before a run fails.
@@ -11,7 +12,9 @@ machine, so a changed GPU, torch or driver is noticed before a run fails.
 Use it in your own loop::
 
     lock = memfit.load_lock("memfit.lock")
-    lock.settings.apply(model)                     # activation checkpointing, if chosen
+    applied = lock.settings.apply(model)           # activation checkpointing, if chosen; under
+    model = applied.model                          # torchrun, DDP / ZeRO-1 / FSDP2 as planned
+    optimizer = applied.optimizer(lambda params: torch.optim.AdamW(params, lr=1e-3))
     scaler = lock.settings.scaler("cuda")          # enabled for fp16 only
     for step, batch in enumerate(loader):          # loader yields micro-batches
         with lock.settings.autocast("cuda"):

@@ -4,19 +4,26 @@ The field's advice, automated: when the batch you want does not fit, turn on mix
 precision, gradient accumulation or activation checkpointing, and keep the combination
 that trains fastest. Candidates are every ``micro_batch x accumulation_steps x world_size
 == target`` with each precision (fp32, bf16 where the device has it, fp16 with a
-GradScaler) and each checkpointing mode (none, blocks).
+GradScaler) and each checkpointing mode (none, blocks). With ``world_size > 1`` the
+sharding strategy is one more axis: DDP, ZeRO-1, FSDP2 keeping full parameters from
+forward to backward, FSDP2, and with ``gpus_per_node`` hybrid sharding within a node
+(:mod:`memfit.run.parallel`), ordered by what they communicate, least first.
 
 The search, cheapest evidence first:
 
 1. within one precision, a candidate is *dominated* by a measured one with a micro-batch
-   at least as large and no more recomputation (the same work in fewer, larger
-   kernels, without recompute, is not slower); dominated candidates are not run, and a
-   group (precision, checkpointing) of dominated candidates costs nothing at all;
-2. for each other group, the estimator (fake tensors, no memory, no arithmetic) gives
-   the largest micro-batch that fits; larger ones are discarded;
+   at least as large, no more recomputation and no more sharding (the same work in
+   fewer, larger kernels, without recompute, communicating less, is not slower);
+   dominated candidates are not run, and a group (strategy, precision, checkpointing)
+   of dominated candidates costs nothing at all;
+2. for each other group, the estimator (fake tensors, no memory, no arithmetic; for N
+   ranks, one rank traced on a fake process group) gives the largest micro-batch that
+   fits; larger ones are discarded;
 3. the rest are run as short trials (two optimizer steps of one micro-batch) from the
    most promising down; a trial that runs out of memory moves to the next smaller
-   micro-batch of its group.
+   micro-batch of its group. For N ranks a trial rehearses the rank that holds the most
+   on a fake process group (:func:`memfit.estimator.distributed_trace.rehearsal`): its
+   memory on the device is the strategy's, exactly; its time leaves out communication.
 
 On a simulated GPU the trials run on fake tensors (:mod:`memfit.search.trials`), which
 makes step 2 redundant (the estimator's search is a series of the same fake runs), and
@@ -25,7 +32,10 @@ recommended one.
 
 samples/s of a candidate is ``micro_batch / seconds per trial step`` on one device (times
 the world size): a trial step holds one micro-batch and one optimizer step, so it
-slightly favours larger micro-batches, which is also what accumulation rewards.
+slightly favours larger micro-batches, which is also what accumulation rewards. For N
+ranks neither the measured nor the predicted speed counts communication; among
+candidates within 2 % of the fastest the plan takes the one that shards least (its
+communication is the smallest), then the one using the least memory.
 
 What counts as fitting: a trial that ran without running out of memory, with its peak
 reserved memory within ``(1 - headroom)`` of the device (a candidate above that is shown
@@ -51,12 +61,14 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
+from memfit import distributed
 from memfit._html import HtmlRepr
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.memory.devices import Device, SimDevice
@@ -64,6 +76,7 @@ from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.measure import Measurement, measure, non_finite_loss_message
+from memfit.run.parallel import SHARDS, Shard, check_strategy, describe
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
 from memfit.search.trials import TrialKind, Trials, choose_trials
 from memfit.units import format_size
@@ -80,6 +93,9 @@ __all__ = [
     "dominates",
     "pareto_front",
     "advice",
+    "strategies",
+    "strategy_cost",
+    "Strategy",
 ]
 
 #: how much faster one setting must be to be called faster, not noise
@@ -130,12 +146,47 @@ def check_target(target_batch_size: int, world_size: int = 1) -> None:
         )
 
 
+#: a sharding strategy: (shard, shard group size or None)
+Strategy = tuple[Shard, "int | None"]
+
+
+def strategies(
+    world_size: int, shards: Sequence[Shard] | None = None, gpus_per_node: int | None = None
+) -> list[Strategy]:
+    """The strategies a plan for ``world_size`` ranks considers, least communication first.
+
+    One rank: none. Several: ``shards`` (default: all four), and with ``gpus_per_node``
+    (less than the world size, dividing it) hybrid sharding within a node for the FSDP2
+    strategies.
+
+    >>> strategies(16, gpus_per_node=8)
+    [('none', None), ('optimizer', None), ('gradients', 8), ('full', 8), ('gradients', None), ('full', None)]
+    """
+    if world_size <= 1:
+        return [("none", None)]
+    chosen = list(shards or SHARDS)
+    found: list[Strategy] = [(shard, None) for shard in chosen]
+    if gpus_per_node is not None and 1 < gpus_per_node < world_size and world_size % gpus_per_node == 0:
+        found += [(shard, gpus_per_node) for shard in chosen if shard in ("gradients", "full")]
+    return sorted(found, key=strategy_cost)
+
+
+def strategy_cost(strategy: Strategy) -> int:
+    """Communication, least first: DDP, ZeRO-1 (adds a parameter broadcast), hybrid sharding
+    (all-gathers within a node), FSDP2 across every rank; keeping full parameters from
+    forward to backward saves backward's all-gathers."""
+    shard, group = strategy
+    base = {"none": 0, "optimizer": 1, "gradients": 2, "full": 3}[shard]
+    return base if shard in ("none", "optimizer") or group is not None else base + 2
+
+
 def candidates(
     target_batch_size: int,
     *,
     world_size: int = 1,
     precisions: Sequence[Precision] = PRECISIONS,
     checkpointing: Sequence[Checkpointing] = CHECKPOINTING,
+    strategies: Sequence[Strategy] = (("none", None),),
 ) -> list[Settings]:
     """Every Settings whose micro-batch x accumulation x world size is the target exactly.
 
@@ -144,8 +195,19 @@ def candidates(
     """
     check_target(target_batch_size, world_size)
     per_rank = target_batch_size // world_size
+    for shard, group in strategies:
+        check_strategy(shard, world_size, group)
     return [
-        Settings(precision=p, checkpointing=c, micro_batch_size=m, accumulation_steps=per_rank // m)
+        Settings(
+            precision=p,
+            checkpointing=c,
+            micro_batch_size=m,
+            accumulation_steps=per_rank // m,
+            world_size=world_size,
+            shard=shard,
+            shard_group_size=group,
+        )
+        for shard, group in strategies
         for p in precisions
         for c in checkpointing
         for m in divisors(per_rank)
@@ -159,14 +221,19 @@ def _nearest_multiple(n: int, k: int) -> int:
 
 def dominates(a: Settings, b: Settings) -> bool:
     """True when ``a`` is at least as fast as ``b`` by construction: the same precision, a
-    micro-batch at least as large, and no more recomputation."""
+    micro-batch at least as large, no more recomputation and no more sharding."""
     assert a.micro_batch_size is not None and b.micro_batch_size is not None
     return (
         a.precision == b.precision
         and a.micro_batch_size >= b.micro_batch_size
         and CHECKPOINTING.index(a.checkpointing) <= CHECKPOINTING.index(b.checkpointing)
+        and _cost(a) <= _cost(b)
         and a != b
     )
+
+
+def _cost(s: Settings) -> int:
+    return strategy_cost((s.shard, s.shard_group_size)) if s.world_size > 1 else 0
 
 
 @dataclass
@@ -349,10 +416,12 @@ def estimated_max_micro_batch(workload: Workload, settings: Settings, device: De
 
 
 def predicted_speed(workload: Workload, settings: Settings, card: GPU) -> tuple[float, float]:
-    """The estimator's predicted (seconds per step, samples/s) of the settings on ``card``."""
+    """The estimator's predicted (seconds per step, samples/s) of the settings on ``card``
+    (for several ranks, one rank's computation: communication is not predicted)."""
     from memfit.estimator.speed import step_time
 
-    time = step_time(workload, settings, card)
+    one_rank = settings.replace(world_size=1, shard="none", shard_group_size=None)
+    time = step_time(workload, one_rank, card)
     return time.seconds_per_step, time.samples_per_second
 
 
@@ -363,9 +432,25 @@ def trial(workload: Workload, settings: Settings, device: Device) -> Measurement
 
 
 def _group_order(
-    precisions: Sequence[Precision], checkpointing: Sequence[Checkpointing]
-) -> list[tuple[Precision, Checkpointing]]:
-    return [(p, c) for c in checkpointing for p in precisions]
+    precisions: Sequence[Precision], checkpointing: Sequence[Checkpointing], axis: Sequence[Strategy]
+) -> list[tuple[Precision, Checkpointing, Strategy]]:
+    return [(p, c, strategy) for strategy in axis for c in checkpointing for p in precisions]
+
+
+def _group(s: Settings) -> tuple[Precision, Checkpointing, Strategy]:
+    return (s.precision, s.checkpointing, (s.shard, s.shard_group_size))
+
+
+@contextmanager
+def _rehearsing(workload: Workload, shape: Settings, run_trial: Trial) -> Iterator[None]:
+    """For several ranks, the default trials run inside a rehearsal of the heaviest rank."""
+    if shape.world_size <= 1 or run_trial is not trial:
+        yield
+        return
+    from memfit.estimator.distributed_trace import rehearsal
+
+    with rehearsal(workload, shape):
+        yield
 
 
 def plan(
@@ -376,6 +461,8 @@ def plan(
     world_size: int = 1,
     precisions: Sequence[Precision] | None = None,
     checkpointing: Sequence[Checkpointing] | None = None,
+    shards: Sequence[Shard] | None = None,
+    gpus_per_node: int | None = None,
     reference_batch_size: int | None = None,
     headroom: float = 0.05,
     predictor: Predictor | None = estimated_max_micro_batch,
@@ -388,18 +475,24 @@ def plan(
 ) -> Plan:
     """Find the fastest settings whose micro-batch x accumulation x world size is the target.
 
-    Candidates are every exact split of the target in each precision the device supports
-    and each checkpointing mode the model has; the estimator discards what cannot fit,
-    candidates a measured one already beats are skipped, and short trials measure the rest.
+    Candidates are every exact split of the target in each precision the device supports,
+    each checkpointing mode the model has and, for several ranks, each sharding strategy;
+    the estimator discards what cannot fit, candidates a measured one already beats are
+    skipped, and short trials measure the rest (for several ranks, a rehearsal of the rank
+    holding the most, on a fake process group).
 
     Args:
         workload: a :class:`memfit.Workload` or a reference, resolved once here.
         target_batch_size: samples per optimizer step over all ranks (at most
             :data:`MAX_TARGET_BATCH`).
-        device: where the trials run (see :func:`memfit.device`).
+        device: where the trials run (see :func:`memfit.device`): one rank's GPU.
         world_size: ranks sharing the target batch.
         precisions: the precisions to consider (default: all the device supports).
         checkpointing: the checkpointing modes to consider (default: all the model has).
+        shards: the sharding strategies to consider with ``world_size > 1`` (default: all:
+            ``none`` (DDP), ``optimizer`` (ZeRO-1), ``gradients``, ``full`` (FSDP2)).
+        gpus_per_node: GPUs per machine; adds hybrid sharding (FSDP2 within a node,
+            replicated across nodes) when the world spans several nodes.
         reference_batch_size: the batch the learning rate was tuned for, for advice on
             scaling it.
         headroom: the fraction of the device's memory a recommended candidate leaves free
@@ -425,6 +518,11 @@ def plan(
     check_target(target_batch_size, world_size)
     if not 0 <= headroom < 1:
         raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
+    if world_size > 1 and distributed.is_distributed():
+        raise MemfitError(
+            f"plan for {world_size} ranks rehearses one rank on a fake process group in one process; "
+            "this one is already in a process group: run it without torchrun"
+        )
     wl = load_workload(workload)
     gpu = make_device(device)
     budget = math.floor((1 - headroom) * gpu.capacity) if gpu.capacity else None
@@ -436,11 +534,18 @@ def plan(
     checkpointing = list(checkpointing or _checkpointing_modes(model))
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
-    pool = candidates(target_batch_size, world_size=world_size, precisions=precisions, checkpointing=checkpointing)
+    axis = strategies(world_size, shards, gpus_per_node)
+    pool = candidates(
+        target_batch_size, world_size=world_size, precisions=precisions, checkpointing=checkpointing, strategies=axis
+    )
     results = {s: Candidate(s, "not run") for s in pool}
     # The one place that chooses what a trial runs: a trial given by the caller as it is,
     # else fake tensors where they stand in for the device (memfit.search.trials).
-    on_device = None if run_trial is not trial else choose_trials(trials, wl, gpu, steps=2, say=say)
+    on_device = (
+        None
+        if run_trial is not trial
+        else choose_trials(trials, wl, gpu, Settings(world_size=world_size), steps=2, say=say)
+    )
     if on_device is not None and on_device.fake:
         fake_trials = on_device
         if predictor is estimated_max_micro_batch:
@@ -457,53 +562,58 @@ def plan(
     estimate_error: str | None = None
     speed_error: str | None = None
     failures = _Failures()
-    for group in _group_order(precisions, checkpointing):
-        members = [s for s in pool if (s.precision, s.checkpointing) == group]
+    for group in _group_order(precisions, checkpointing, axis):
+        members = [s for s in pool if _group(s) == group]
         # A group whose every candidate a measured one already beats costs nothing.
         for s in members:
             if any(o.fits and dominates(o.settings, s) for o in results.values()):
                 results[s].status = "dominated"
         if all(results[s].status == "dominated" for s in members):
             continue
+        precision, ckpt, (shard, group_size) = group
+        shape = Settings(
+            precision=precision, checkpointing=ckpt, world_size=world_size, shard=shard, shard_group_size=group_size
+        )
         limit = None
         if predictor is not None and estimate_error is None:
             try:
-                limit = predictor(wl, Settings(precision=group[0], checkpointing=group[1]), gpu, per_rank)
+                limit = predictor(wl, shape, gpu, per_rank)
             except Exception as error:  # noqa: BLE001 - the estimate only prunes; trials decide
                 # Why go on: an operation fake tensors cannot run (a value read in the
                 # step) stops the estimate, not the trials; a bug in the step shows up
                 # unchanged in the first trial.
                 estimate_error = _one_line(error)
-        for s in members:
-            c = results[s]
-            c.predicted_max_micro_batch = limit
-            if c.status != "not run":
-                continue
-            if limit is not None and s.micro_batch_size is not None and s.micro_batch_size > limit:
-                c.status = "too large (estimate)"
-                continue
-            if any(o.fits and dominates(o.settings, s) for o in results.values()):
-                c.status = "dominated"
-                continue
-            c.measurement = failures.run(run_trial, wl, s, gpu)
-            trial_steps += 2
-            c.status = _status(c.measurement, budget, failures.last_reason)
-            if c.fits:
-                assert c.measurement is not None
-                sps = c.measurement.samples_per_second
-                c.samples_per_second = None if sps is None else sps * world_size
-                if card is not None:
-                    try:
-                        seconds, samples = predict_speed(wl, s, card)
-                    except MemfitError as error:
-                        # Fake tensors cannot run this step (a value read in forward): no
-                        # predicted speed for any candidate; the measured one ranks, and says so.
-                        speed_error, card = _one_line(error), None
-                    else:
-                        c.predicted_seconds_per_step = seconds
-                        c.predicted_samples_per_second = samples * world_size
-            if progress:
-                progress(c)
+        with _rehearsing(wl, shape, run_trial):
+            for s in members:
+                c = results[s]
+                c.predicted_max_micro_batch = limit
+                if c.status != "not run":
+                    continue
+                if limit is not None and s.micro_batch_size is not None and s.micro_batch_size > limit:
+                    c.status = "too large (estimate)"
+                    continue
+                if any(o.fits and dominates(o.settings, s) for o in results.values()):
+                    c.status = "dominated"
+                    continue
+                c.measurement = failures.run(run_trial, wl, s, gpu)
+                trial_steps += 2
+                c.status = _status(c.measurement, budget, failures.last_reason)
+                if c.fits:
+                    assert c.measurement is not None
+                    sps = c.measurement.samples_per_second
+                    c.samples_per_second = None if sps is None else sps * world_size
+                    if card is not None:
+                        try:
+                            seconds, samples = predict_speed(wl, s, card)
+                        except MemfitError as error:
+                            # Fake tensors cannot run this step (a value read in forward): no
+                            # predicted speed for any candidate; the measured one ranks, and says so.
+                            speed_error, card = _one_line(error), None
+                        else:
+                            c.predicted_seconds_per_step = seconds
+                            c.predicted_samples_per_second = samples * world_size
+                if progress:
+                    progress(c)
 
     failures.raise_if_every_trial_failed()
     measured = [c for c in results.values() if c.fits]
@@ -521,6 +631,8 @@ def plan(
                 world_size=world_size,
                 precisions=precisions,
                 checkpointing=checkpointing,
+                shards=shards,
+                gpus_per_node=gpus_per_node,
                 reference_batch_size=reference_batch_size,
                 headroom=headroom,
                 predictor=predictor,
@@ -562,7 +674,7 @@ def plan(
         world_size=world_size,
         candidates=ordered,
         recommended=best,
-        reason=_reason(best, measured, gpu, speed, card),
+        reason=_reason(best, measured, gpu, speed, card) + _why_this_strategy(best, ordered, axis),
         advice=notes,
         trial_steps=trial_steps,
         headroom=headroom,
@@ -748,15 +860,43 @@ def _checkpointing_modes(model: nn.Module) -> list[Checkpointing]:
 def _recommend(
     measured: Sequence[Candidate], speed: Callable[[Candidate], float | None] = _measured_speed
 ) -> Candidate:
-    """The fastest; among those within SPEED_TOLERANCE of it, the one using least memory."""
+    """The fastest; among those within SPEED_TOLERANCE of it, the one that shards least
+    (its communication, which neither a rehearsal's time nor the prediction counts, is the
+    least), then the one using least memory."""
     fastest = max(speed(c) or 0.0 for c in measured)
     close = [c for c in measured if (speed(c) or 0.0) >= fastest * (1 - SPEED_TOLERANCE)]
-    return min(close, key=lambda c: c.measurement.peak_reserved)  # type: ignore[union-attr]
+    return min(close, key=lambda c: (_cost(c.settings), c.measurement.peak_reserved))  # type: ignore[union-attr]
 
 
 def _describe(s: Settings) -> str:
     ckpt = ", activation checkpointing" if s.checkpointing == "blocks" else ""
-    return f"{s.precision}{ckpt}"
+    ranks = f", {describe(s.shard, s.world_size, s.shard_group_size)}" if s.world_size > 1 else ""
+    return f"{s.precision}{ckpt}{ranks}"
+
+
+def _why_this_strategy(best: Candidate, candidates: Sequence[Candidate], axis: Sequence[Strategy]) -> str:
+    """Why the recommendation shards as it does: what the strategies that shard less could not do."""
+    s = best.settings
+    if s.world_size <= 1:
+        return ""
+    mine = strategy_cost((s.shard, s.shard_group_size))
+    lines = []
+    for strategy in axis:
+        if strategy_cost(strategy) >= mine:
+            break
+        group = [c for c in candidates if (c.settings.shard, c.settings.shard_group_size) == strategy]
+        name = describe(strategy[0], s.world_size, strategy[1])
+        if any(c.fits for c in group):
+            lines.append(f"{name} fits but is slower")
+            continue
+        predicted = [c.predicted_max_micro_batch for c in group if c.predicted_max_micro_batch is not None]
+        if predicted and max(predicted) == 0:
+            lines.append(f"{name} does not fit even at micro-batch 1 (estimate, per rank)")
+        else:
+            lines.append(f"{name} does not fit at any micro-batch tried")
+    if not lines:
+        return f" Strategy: {describe(s.shard, s.world_size, s.shard_group_size)}, the least sharding."
+    return f" Strategy: {describe(s.shard, s.world_size, s.shard_group_size)}, because " + "; ".join(lines) + "."
 
 
 def _reason(

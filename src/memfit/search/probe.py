@@ -22,6 +22,11 @@ process group every rank probes its own device and all return the smallest answe
 >>> result = probe("mlp:layers=1,width=16,features=8", "sim:64MiB", max_batch_size=64)
 >>> result.max_batch_size, result.limit
 (64, 'max_batch_size')
+
+With ``settings.world_size > 1`` the trials rehearse one rank of that many on a fake
+process group (:func:`memfit.estimator.distributed_trace.rehearsal`): the model wrapped
+by the strategy (DDP, ZeRO-1, FSDP2), the rank that holds the most, its memory on this
+device exactly as on N GPUs, its step time without communication.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ from memfit import distributed
 from memfit._html import HtmlRepr
 from memfit.batch_search import Outcome, SearchSpace, answer, next_batch_size
 from memfit.errors import DoesNotFitError, MemfitError
+from memfit.estimator.distributed_trace import rehearsal
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement, non_finite_loss_message
+from memfit.run.parallel import describe
 from memfit.run.settings import Settings
 from memfit.run.state import Snapshot, preserved
 from memfit.search.headroom import next_headroom_batch, repeatable, within_budget
@@ -458,10 +465,16 @@ def probe(
 
     if trials not in TRIAL_KINDS:
         raise MemfitError(f"invalid trials {trials!r}: use one of {', '.join(TRIAL_KINDS)}")
+    if settings.world_size > 1 and distributed.is_distributed():
+        raise MemfitError(
+            f"probe with world size {settings.world_size} rehearses one rank on a fake process group in "
+            "one process; this one is already in a process group: run it without torchrun"
+        )
 
     failure: BaseException | None = None
     found: Search | None = None
     note: str | None = None
+    rehearsed: dict[str, Any] = {}
     try:
         with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *preserve) as snapshot:
             probed = _preserving_optimizers(wl, snapshot)
@@ -470,20 +483,30 @@ def probe(
 
             # The one place that chooses what a trial runs (see memfit.search.trials).
             run_trial = choose_trials(trials, probed, gpu, settings, steps=TRIAL_STEPS, say=say)
-            found = confirmed_search(
-                run_trial,
-                space,
-                capacity=gpu.capacity,
-                headroom=headroom,
-                progress=progress,
-                describe=f"{wl.name} on {gpu.describe()}",
-            )
+            # world_size > 1: the trials rehearse the rank holding the most, on a fake
+            # process group (the strategy's memory exactly; time without communication).
+            with rehearsal(wl, settings) as rank:
+                found = confirmed_search(
+                    run_trial,
+                    space,
+                    capacity=gpu.capacity,
+                    headroom=headroom,
+                    progress=progress,
+                    describe=f"{wl.name} on {gpu.describe()}",
+                )
             note = run_trial.note
+            if settings.world_size > 1:
+                rehearsed = {
+                    "rehearsed_world_size": settings.world_size,
+                    "rehearsed_rank": rank,
+                    "shard": settings.shard,
+                    "strategy": describe(settings.shard, settings.world_size, settings.shard_group_size),
+                }
     except Exception as error:  # noqa: BLE001 - re-raised below, after the ranks agree
         failure = error
     result = _agree(found, failure, gpu, wl, space, headroom)
     fake = sum(1 for t in result.trials if t.fake)
-    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note})
+    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed})
 
 
 def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: int | None) -> int | None:

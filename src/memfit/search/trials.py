@@ -60,8 +60,12 @@ TRIAL_KINDS: tuple[TrialKind, ...] = ("auto", "fake", "real")
 Say = Callable[[str], None]
 
 
-def fake_trials_unavailable(workload: Workload, device: Device) -> str | None:
+def fake_trials_unavailable(workload: Workload, device: Device, settings: Settings | None = None) -> str | None:
     """Why fake trials cannot stand in for real ones here, or None when they can."""
+    if settings is not None and settings.world_size > 1:
+        # A fake trial runs one GPU's step; a rank of several is rehearsed with real
+        # tensors on a fake process group, wrapped as the strategy wraps it.
+        return f"one rank of {settings.world_size} is rehearsed on a fake process group"
     if not isinstance(device, SimDevice):
         return f"{device.spec} is a real device: trials run there"
     if device.capacity is None:
@@ -171,7 +175,7 @@ def choose_trials(
         raise MemfitError(f"invalid trials {kind!r}: use one of {', '.join(TRIAL_KINDS)}")
     if kind == "real":
         return Trials(workload, device, settings, steps=steps, fake=False, say=say)
-    why_not = fake_trials_unavailable(workload, device)
+    why_not = fake_trials_unavailable(workload, device, settings)
     if why_not is not None:
         trials = Trials(workload, device, settings, steps=steps, fake=False, say=say)
         # Asked for fake trials, or a simulated GPU where people expect them: say why not.

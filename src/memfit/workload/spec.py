@@ -1,6 +1,6 @@
 """Workload: one training step, described so memfit can run it at any batch size.
 
-A workload is four things: the model (a module, or a zero-argument factory that builds a
+A workload is four things (and, optionally, which modules FSDP2 shards as units): the model (a module, or a zero-argument factory that builds a
 fresh one), ``make_batch(batch_size)`` returning a batch at worst-case shapes (the
 longest sequence, the largest image), ``loss(model, batch)`` returning a scalar, and
 ``optimizer(params)`` (AdamW by default).
@@ -52,6 +52,9 @@ class Workload:
     #: set by :func:`~memfit.workload.references.load_workload`; None for a Workload made in
     #: code, which no string can load again
     reference: str | None = None
+    #: which modules become FSDP2 units under sharding: ``fsdp_units(model)`` (default: the
+    #: model's repeated blocks, as activation checkpointing finds them)
+    fsdp_units: Callable[[nn.Module], Iterable[nn.Module]] | None = None
 
     @property
     def builds_fresh_models(self) -> bool:

@@ -1,0 +1,441 @@
+"""One rank of N, traced on one CPU: DDP, ZeRO-1, FSDP2 and HSDP on a fake process group.
+
+Why trace rather than divide: what a rank holds under FSDP2 is more than a share of the
+states. Each unit's full parameters are gathered for its forward and again for its
+backward (with ``reshard_after_forward=False`` they stay from one to the other), the
+all-gather and reduce-scatter buffers come and go around them, and DDP keeps its own
+flat gradient buckets. Formulas leave all of that out. So the estimator runs the
+workload's real training step (:func:`memfit.run.steps.run_steps`, wrapped by
+:mod:`memfit.run.parallel` exactly as a real run is) as rank ``r`` of ``N``:
+
+- a **fake process group** of N ranks (PyTorch's ``"fake"`` backend, from
+  ``torch.testing._internal.distributed.fake_pg``): every collective returns at once and
+  moves nothing, so one process plays one rank;
+- **fake tensors** (``FakeTensorMode``): shapes, no memory, no arithmetic;
+- the same **storage tracker and caching-allocator model** as every estimate, so the
+  per-rank peak allocated and reserved bytes mean what they mean on one GPU.
+
+The device mesh is built outside fake mode (:func:`memfit.run.parallel.device_mesh`).
+While tracing, FSDP2's all-gather, its copy-out into the unit's full parameters and its
+reduce-scatter are labelled (``Labels.role``), so the breakdown names communication
+buffers and unsharded parameters.
+
+Which rank: every rank holds the same under DDP; under FSDP2 rank 0 holds the largest
+shards (``torch.chunk`` gives the first ranks the larger pieces); under ZeRO-1
+(``ZeroRedundancyOptimizer``) the ranks hold different parameters' optimizer state, so
+:func:`heaviest_rank` asks ZeRO's own partition which rank holds the most, and that rank
+is traced: the estimate is the largest over the ranks.
+
+The process state: the fake group is torch.distributed's *default* group, global to the
+process. A process already in a real process group (under torchrun, inside a Lightning
+DDP job) must keep its own: there the trace runs in a child process
+(``python -m memfit.estimator.distributed_trace``), which needs a workload it can load
+again by reference. The group made here is destroyed in ``finally`` whatever happens.
+
+>>> import memfit
+>>> run = trace(memfit.load_workload("mlp:layers=2,width=16,features=16"),
+...             memfit.Settings(micro_batch_size=2, world_size=4, shard="full"))
+>>> run.peak_allocated > 0
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from memfit._io import write_atomically
+from memfit.cuda.target import CudaTarget
+from memfit.errors import MemfitError
+from memfit.estimator.fake import FakeRun, run_fake_steps
+from memfit.memory.tracker import labelled
+from memfit.run.parallel import COMMUNICATION, UNSHARDED, fake_process_group
+from memfit.run.settings import Settings
+from memfit.workload import Workload, load_workload
+
+__all__ = [
+    "trace",
+    "tracing",
+    "Runner",
+    "heaviest_rank",
+    "unavailable_reason",
+    "rehearsal",
+    "run_in_child",
+    "TraceUnavailable",
+]
+
+#: seconds a child process may take to trace (a 7B model takes well under a minute)
+CHILD_TIMEOUT_S = 600
+
+
+class TraceUnavailable(MemfitError):
+    """The strategy cannot be traced here (the estimator falls back to formulas, and says why)."""
+
+
+def unavailable_reason(settings: Settings) -> str | None:
+    """Why ``settings``' strategy cannot be traced in this PyTorch, or None when it can."""
+    if settings.world_size <= 1:
+        return None
+    if not dist.is_available():
+        return "this PyTorch build has no torch.distributed"
+    try:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    except ImportError:
+        return "this PyTorch has no fake process group (torch.testing._internal.distributed.fake_pg)"
+    if settings.shard in ("gradients", "full"):
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            return "this PyTorch has no FSDP2 (torch.distributed.fsdp.fully_shard)"
+    return None
+
+
+@contextlib.contextmanager
+def _fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """:func:`memfit.run.parallel.fake_process_group`, refused as :class:`TraceUnavailable`."""
+    if dist.is_initialized():
+        raise TraceUnavailable("this process is already in a process group")
+    with fake_process_group(world_size, rank):
+        yield
+
+
+@contextlib.contextmanager
+def fsdp_labels() -> Iterator[None]:
+    """Label FSDP2's own memory while tracing: all-gather and reduce-scatter buffers, and the
+    full parameters of a unit. Restored in ``finally``."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        yield
+        return
+    roles = {"unshard": COMMUNICATION, "wait_for_unshard": UNSHARDED, "post_backward": COMMUNICATION}
+    originals = {name: getattr(FSDPParamGroup, name) for name in roles}
+
+    def labelling(method: Callable[..., Any], role: str) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with labelled(role=role):
+                return method(*args, **kwargs)
+
+        return run
+
+    for name, role in roles.items():
+        setattr(FSDPParamGroup, name, labelling(originals[name], role))
+    try:
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(FSDPParamGroup, name, method)
+
+
+class _LazyChunks(list):
+    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n``, each view made
+    only when asked for.
+
+    Why: FSDP2 chunks every parameter into one view per rank and keeps one; on fake
+    tensors each view costs a fake tensor, and at 64 ranks the 63 unused views of every
+    parameter were a quarter of a 7B trace. The views asked for are the same
+    (``narrow`` over ``torch.chunk``'s sizes), so nothing allocated changes.
+    """
+
+    def __init__(self, tensor: Any, num_chunks: int, dim: int) -> None:
+        length = tensor.size(dim)
+        step = -(-length // num_chunks) if length else 0
+        count = -(-length // step) if step else 0
+        self._spans = [(i * step, min(step, length - i * step)) for i in range(count)]
+        self._tensor, self._dim = tensor, dim
+        super().__init__([None] * num_chunks)
+
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, int):
+            return [self[i] for i in range(len(self))[index]]
+        index = index % len(self)
+        value = super().__getitem__(index)
+        if value is None:
+            if index < len(self._spans):
+                start, size = self._spans[index]
+                value = self._tensor.narrow(self._dim, start, size)
+            else:
+                value = self[0].new_empty(0)
+            super().__setitem__(index, value)
+        return value
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self[i] for i in range(len(self)))
+
+
+@contextlib.contextmanager
+def lazy_fsdp_chunks() -> Iterator[None]:
+    """While tracing, FSDP2 makes only the parameter chunks it uses (see :class:`_LazyChunks`)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        yield
+        return
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        yield
+        return
+    _fsdp_param._chunk_with_empty = _LazyChunks
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
+
+
+@contextlib.contextmanager
+def rehearsal(workload: Workload, settings: Settings) -> Iterator[int]:
+    """Play one rank of ``settings.world_size`` on a fake process group with real tensors.
+
+    Yields the rank played: the one holding the most (:func:`heaviest_rank`). Probe and
+    plan run their trials inside: the model is wrapped by the strategy as on N GPUs, the
+    device holds what that rank would hold (exactly: the same components, the same
+    allocations), and a step's time is its computation without communication. With
+    ``world_size=1`` nothing is made and rank 0 is yielded.
+
+    Raises:
+        MemfitError: the strategy cannot run here, or this process is already in a
+            process group (rehearse without torchrun).
+    """
+    if settings.world_size <= 1:
+        yield 0
+        return
+    reason = unavailable_reason(settings)
+    if reason is not None:
+        raise MemfitError(f"cannot rehearse {settings.world_size} ranks here: {reason}")
+    if dist.is_initialized():
+        raise MemfitError(
+            f"world size {settings.world_size} is rehearsed as one rank of a fake process group in one "
+            "process; this one is already in a process group: run it without torchrun"
+        )
+    rank = heaviest_rank(workload, settings)
+    with fake_process_group(settings.world_size, rank):
+        yield rank
+
+
+def heaviest_rank(workload: Workload, settings: Settings) -> int:
+    """The rank holding the most parameter bytes (and so optimizer state) under ZeRO-1; 0
+    for every other strategy (DDP: all equal; FSDP2: rank 0 has the largest shards).
+
+    Asks ``ZeroRedundancyOptimizer`` itself, on fake parameters, for its partition.
+    """
+    if settings.world_size <= 1 or settings.shard != "optimizer":
+        return 0
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.estimator.fake import _fake_workload
+    from memfit.estimator.transformers_masks import watching_positions
+    from memfit.run.parallel import wrap_optimizer
+
+    with _fake_group(settings.world_size):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            with watching_positions() as positions:
+                model = _fake_workload(workload, mode, False, positions).build_model()
+            zero: Any = wrap_optimizer(workload.optimizer(model.parameters()))
+            # per rank, its parameter groups: what ZeRO gives each rank to keep state for
+            loads = [
+                sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+                for groups in zero._partition_parameters()
+            ]
+            del zero, model
+    return max(range(len(loads)), key=lambda r: (loads[r], -r))
+
+
+#: runs the fake steps of one settings (its micro-batch) within a budget, counting the
+#: last step's operations when asked (for the predicted step time)
+Runner = Callable[[Settings, "int | None", bool], FakeRun]
+
+
+@contextlib.contextmanager
+def tracing(
+    workload: Workload,
+    settings: Settings,
+    *,
+    rank: int | None = None,
+    steps: int = 2,
+    foreach: bool = False,
+    cuda: CudaTarget | None = None,
+) -> Iterator[tuple[Runner, int]]:
+    """Hold rank ``rank`` of a fake process group of ``settings.world_size`` for several traces.
+
+    Yields ``(run, rank)``: ``run(settings, budget, count_ops)`` traces ``steps`` optimizer
+    steps at ``settings``' micro-batch, following ``cuda``'s semantics (see
+    :func:`memfit.estimator.fake.run_fake_steps`); ``rank`` is the rank traced (by default
+    :func:`heaviest_rank`). Why one group for several traces: the batch-size search
+    traces the same strategy at several batch sizes, and DTensor's sharding decisions,
+    cached per device mesh, then carry over from one trace to the next.
+
+    Raises:
+        TraceUnavailable: tracing cannot run here (see :func:`unavailable_reason`), or
+            this process is already in a process group.
+    """
+    reason = unavailable_reason(settings)
+    if reason is not None:
+        raise TraceUnavailable(reason)
+    if settings.world_size <= 1:
+
+        def single(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
+            return run_fake_steps(
+                workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
+            )
+
+        yield single, 0
+        return
+    traced_rank = heaviest_rank(workload, settings) if rank is None else rank
+    with _fake_group(settings.world_size, traced_rank), fsdp_labels(), lazy_fsdp_chunks():
+
+        def run(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
+            return run_fake_steps(
+                workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
+            )
+
+        yield run, traced_rank
+
+
+def trace(
+    workload: Workload,
+    settings: Settings,
+    *,
+    rank: int | None = None,
+    steps: int = 2,
+    foreach: bool = False,
+    budget: int | None = None,
+    cuda: CudaTarget | None = None,
+) -> FakeRun:
+    """Run ``steps`` optimizer steps as one rank of ``settings.world_size`` on fake tensors.
+
+    The same as :func:`memfit.estimator.fake.run_fake_steps` (whose arguments these are),
+    on a fake process group, as rank ``rank`` (default: :func:`heaviest_rank`); with
+    ``world_size=1`` it is that function. In a process already in a process group, the
+    trace runs in a child process.
+
+    Raises:
+        TraceUnavailable: tracing cannot run here (no torch.distributed, or a workload
+            the child process cannot load).
+    """
+    if settings.world_size > 1 and dist.is_initialized():
+        return _trace_in_child(workload, settings, rank=rank, steps=steps, foreach=foreach, budget=budget, cuda=cuda)
+    with tracing(workload, settings, rank=rank, steps=steps, foreach=foreach, cuda=cuda) as (run, _):
+        return run(settings, budget, False)
+
+
+# -- in a child process, when this one is in a real process group ------------------------------
+
+#: environment variables of a launcher that would make the child join the parent's job
+_LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _trace_in_child(
+    workload: Workload,
+    settings: Settings,
+    *,
+    rank: int | None,
+    steps: int,
+    foreach: bool,
+    budget: int | None,
+    cuda: CudaTarget | None,
+) -> FakeRun:
+    request = {
+        "workload": child_reference(workload),
+        "settings": settings.to_dict(),
+        "rank": rank,
+        "steps": steps,
+        "foreach": foreach,
+        "budget": budget,
+        "cuda": cuda,
+    }
+    run: FakeRun = run_in_child("memfit.estimator.distributed_trace", request, f"tracing {settings.world_size} ranks")
+    return run
+
+
+def child_reference(workload: Workload) -> str:
+    """The reference a child process loads ``workload`` by; refused for a model instance."""
+    if not workload.builds_fresh_models or workload.reference is None:
+        raise TraceUnavailable(
+            "this process is in a process group and the workload is a model instance or made in "
+            "code, which a separate process cannot load"
+        )
+    return workload.reference
+
+
+def load_in_child(reference: str) -> Workload:
+    """The workload in the child process (:class:`TraceUnavailable` when it cannot be loaded)."""
+    try:
+        return load_workload(reference)
+    except MemfitError as error:
+        raise TraceUnavailable(f"a separate process cannot load workload {reference!r} ({error})") from None
+
+
+def run_in_child(module: str, request: Any, what: str) -> Any:
+    """Run ``python -m module`` on ``request`` in a fresh process (no process group) and
+    return its answer (see :func:`serve_child`).
+
+    Why: a process in a real process group cannot also be rank ``r`` of a fake one.
+    The child gets this environment less the launcher's variables, so it joins nothing.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC")}
+    with tempfile.TemporaryDirectory(prefix="memfit-trace-") as folder:
+        out = os.path.join(folder, "answer.pickle")
+        done = subprocess.run(
+            [sys.executable, "-m", module, out],
+            input=pickle.dumps(request),
+            capture_output=True,
+            env=env,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+        )
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else f"exit status {done.returncode}"
+        if done.returncode == _UNAVAILABLE:
+            raise TraceUnavailable(last)
+        if done.returncode == _USER_ERROR:
+            raise MemfitError(last)
+        if done.returncode != 0:
+            raise MemfitError(f"{what} in a separate process failed: {last}")
+        with open(out, "rb") as answer:
+            return pickle.load(answer)
+
+
+_UNAVAILABLE = 3
+_USER_ERROR = 4
+
+
+def serve_child(handler: Callable[[Any], Any]) -> int:
+    """The child's side of :func:`run_in_child`: answer the request on stdin into ``argv[1]``."""
+    request = pickle.loads(sys.stdin.buffer.read())
+    try:
+        answer = handler(request)
+    except TraceUnavailable as error:
+        print(error, file=sys.stderr)
+        return _UNAVAILABLE
+    except MemfitError as error:
+        print(error, file=sys.stderr)
+        return _USER_ERROR
+    write_atomically(sys.argv[1], pickle.dumps(answer))
+    return 0
+
+
+def _answer_trace(request: dict[str, Any]) -> FakeRun:
+    return trace(
+        load_in_child(request["workload"]),
+        Settings(**request["settings"]),
+        rank=request["rank"],
+        steps=request["steps"],
+        foreach=request["foreach"],
+        budget=request["budget"],
+        cuda=request["cuda"],
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(serve_child(_answer_trace))
