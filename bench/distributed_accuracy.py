@@ -143,7 +143,7 @@ def accuracy(quick: bool) -> tuple[list[str], float, float]:
     import memfit
     from memfit.estimator.distributed_trace import trace
     from memfit.estimator.estimate import estimate
-    from memfit.run.parallel import describe
+    from memfit.run.strategy import describe
 
     rows: list[str] = []
     worst_rank = worst_estimate = 0.0

@@ -17,12 +17,12 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.memory.devices import device
-from memfit.run.parallel import SHARDS
+from memfit.run.strategy import SHARDS
 from memfit.search.fit import fit
 
 if TYPE_CHECKING:
-    from memfit.run.parallel import Shard
     from memfit.run.settings import Checkpointing, Precision
+    from memfit.run.strategy import Shard
     from memfit.search.trials import TrialKind
 
 

@@ -109,7 +109,7 @@ def _every_rank(result: Measurement) -> list[dict[str, Any]]:
 
 
 def _over_ranks(per_rank: list[dict[str, Any]], shard: str, group_size: int | None) -> dict[str, Any]:
-    from memfit.run.parallel import describe
+    from memfit.run.strategy import describe
 
     largest = max(per_rank, key=lambda r: (r["peak_reserved"], r["peak_allocated"]))
     return {

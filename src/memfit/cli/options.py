@@ -133,7 +133,7 @@ def trials_option(function: F) -> F:
 
 def strategy_options(function: F) -> F:
     """--world-size, --shard and --shard-group-size: how many ranks, and how they share the model."""
-    from memfit.run.parallel import SHARDS
+    from memfit.run.strategy import SHARDS
 
     function = click.option(
         "--shard-group-size",
@@ -168,7 +168,7 @@ def make_settings(precision: str, checkpointing: str, **extra: Any) -> Settings:
 
 def strategy(world_size: int, shard: str, shard_group_size: int | None) -> dict[str, Any]:
     """The strategy options as Settings fields, checked before any long work (one line, exit 2)."""
-    from memfit.run.parallel import check_strategy
+    from memfit.run.strategy import check_strategy
 
     check_strategy(shard, world_size, shard_group_size)
     return {"world_size": world_size, "shard": shard, "shard_group_size": shard_group_size}

@@ -19,14 +19,14 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.memory.devices import device
-from memfit.run.parallel import SHARDS
+from memfit.run.strategy import SHARDS
 from memfit.search.plan import Candidate, Plan, check_target, plan
 from memfit.units import format_size
 from memfit.workload import load_workload
 
 if TYPE_CHECKING:
-    from memfit.run.parallel import Shard
     from memfit.run.settings import Checkpointing, Precision
+    from memfit.run.strategy import Shard
     from memfit.search.trials import TrialKind
 
 

@@ -77,8 +77,8 @@ from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
-from memfit.run.parallel import Shard, check_strategy, describe
 from memfit.run.settings import Settings
+from memfit.run.strategy import Shard, check_strategy, describe
 from memfit.units import format_size, parse_size
 from memfit.workload import Workload, load_workload
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from memfit.errors import MemfitError
-from memfit.run.parallel import SHARDS, Shard
+from memfit.run.strategy import SHARDS, Shard
 from memfit.units import MiB
 
 __all__ = ["Shard", "SHARDS", "shard_states", "bucket_sizes", "uses_ddp_buckets", "FIRST_BUCKET", "BUCKET_CAP", "check"]

@@ -47,7 +47,7 @@ import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import MemfitError
 from memfit.memory.tracker import labelled
+from memfit.run.strategy import SHARDS, Shard, check_strategy, component, describe
 
 #: the breakdown's names for DDP's and FSDP2's own memory (``Labels.role``)
 COMMUNICATION = "communication buffers"
@@ -81,59 +82,8 @@ __all__ = [
     "UNSHARDED",
 ]
 
-#: what N ranks divide among them: nothing (DDP), optimizer state (ZeRO-1), + gradients (FSDP2
-#: keeping full parameters from forward to backward), everything (FSDP2, ZeRO-3)
-Shard = Literal["none", "optimizer", "gradients", "full"]
-SHARDS: tuple[Shard, ...] = ("none", "optimizer", "gradients", "full")
-
 #: the modules that become FSDP2 units, given the model
 Units = Callable[[nn.Module], Iterable[nn.Module]]
-
-_COMPONENTS = {
-    "none": "DDP (DistributedDataParallel)",
-    "optimizer": "DDP + ZeroRedundancyOptimizer (ZeRO-1)",
-    "gradients": "FSDP2 fully_shard, reshard_after_forward=False",
-    "full": "FSDP2 fully_shard",
-}
-
-
-def check_strategy(shard: str, world_size: int, group_size: int | None = None) -> None:
-    """Refuse an unknown strategy, a world size below 1 or a group size that does not divide it.
-
-    >>> check_strategy("optimizer", world_size=4, group_size=2)
-    Traceback (most recent call last):
-    memfit.errors.MemfitError: --shard-group-size applies to --shard gradients or full (FSDP2), not optimizer
-    """
-    if world_size < 1:
-        raise MemfitError(f"invalid world size {world_size}: must be at least 1")
-    if shard not in SHARDS:
-        raise MemfitError(f"unknown shard mode {shard!r}: use one of {', '.join(SHARDS)}")
-    if group_size is None:
-        return
-    if shard not in ("gradients", "full"):
-        raise MemfitError(f"--shard-group-size applies to --shard gradients or full (FSDP2), not {shard}")
-    if group_size < 1 or world_size % group_size:
-        raise MemfitError(
-            f"invalid shard group size {group_size}: it must divide the world size {world_size} "
-            "(the ranks form world/group replicas of one sharded group)"
-        )
-
-
-def component(shard: str) -> str:
-    """The PyTorch component a strategy trains with, in a few words."""
-    return _COMPONENTS[shard]
-
-
-def describe(shard: str, world_size: int, group_size: int | None = None) -> str:
-    """One phrase naming how ``world_size`` ranks train under ``shard``."""
-    if world_size <= 1:
-        return "one rank (no strategy)"
-    if group_size is not None and group_size < world_size and shard in ("gradients", "full"):
-        return (
-            f"HSDP: {component(shard)} over groups of {group_size} ranks, "
-            f"replicated over {world_size // group_size} groups"
-        )
-    return component(shard)
 
 
 def group_world_size() -> int:

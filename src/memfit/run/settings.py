@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from memfit.errors import MemfitError
-from memfit.run.parallel import SHARDS, Parallel, Shard, Units, check_strategy, parallelize
+from memfit.run.strategy import SHARDS, Shard, check_strategy
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from memfit.run.parallel import Parallel, Units
 
 # torch (and memfit.cuda, which imports it) is imported inside the functions that run a
 # step: Settings itself is plain data, and reading a memfit.lock (`memfit check`) should
@@ -126,6 +128,8 @@ class Settings:
             device: where FSDP2 puts each rank's shards (default: where the parameters
                 are; give ``"cuda"`` for a model built on the CPU).
         """
+        from memfit.run.parallel import parallelize  # torch: see the note at the imports
+
         undo: Callable[[], None] = enable_checkpointing(model) if self.checkpointing == "blocks" else (lambda: None)
         try:
             parallel = parallelize(

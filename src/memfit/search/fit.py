@@ -29,8 +29,8 @@ from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
-from memfit.run.parallel import Shard
 from memfit.run.settings import Checkpointing, Precision, Settings
+from memfit.run.strategy import Shard
 from memfit.search.lock import Lock, Measured, write_lock
 from memfit.search.plan import Candidate, Plan, check_target, plan
 from memfit.search.trials import TrialKind, trial_line

@@ -76,8 +76,8 @@ from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.measure import Measurement, measure, non_finite_loss_message
-from memfit.run.parallel import SHARDS, Shard, check_strategy, describe
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
+from memfit.run.strategy import SHARDS, Shard, check_strategy, describe
 from memfit.search.trials import TrialKind, Trials, choose_trials
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload

@@ -48,9 +48,9 @@ from memfit.estimator.distributed_trace import rehearsal
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement, non_finite_loss_message
-from memfit.run.parallel import describe
 from memfit.run.settings import Settings
 from memfit.run.state import Snapshot, preserved
+from memfit.run.strategy import describe
 from memfit.search.headroom import next_headroom_batch, repeatable, within_budget
 from memfit.search.trials import TRIAL_KINDS, TrialKind, Trials, choose_trials
 from memfit.units import format_size
