@@ -10,7 +10,7 @@ the estimate itself (``memfit.estimate(..., world_size=N, shard=...)``: the rank
 the most). Target: per-rank peak reserved within 1 %.
 
 Part 2 (cost and published figures). ``memfit estimate llama-7b --world-size 64 --shard
-full --batch-size 1 --gpu "H100 80GB" --precision bf16 --json`` under ``/usr/bin/time -v``
+full --batch-size 1 --gpu "H100 SXM" --precision bf16 --json`` under ``/usr/bin/time -v``
 (targets: 60 s, 2 GiB); its per-GPU figure next to DeepSpeed's
 ``estimate_zero3_model_states_mem_needs`` formula, and torchtitan's published per-GPU
 memory for Llama 3.1 8B on 128 H100s, with memfit's estimate of that run.
@@ -69,7 +69,7 @@ LLAMA_COMMAND = [
     "--batch-size",
     "1",
     "--gpu",
-    "H100 80GB",
+    "H100 SXM",
     "--precision",
     "bf16",
     "--json",
@@ -233,7 +233,7 @@ def published() -> list[str]:
             LLAMA31_8B,
             2,
             Settings(precision="bf16", checkpointing=checkpointing),
-            gpu="H100 80GB",
+            gpu="H100 SXM",
             world_size=128,
             shard="full",
             search=False,
