@@ -94,6 +94,13 @@ def run_case(name: str, ref: str, spec: str, flip: bool) -> dict[str, Any]:
         "probe s": (old_probe_s, new_probe_s),
         "target": target,
         "plan memory same": _plan_answer(old_plan) == _plan_answer(new_plan),
+        "plan differences": [
+            f"{_describe(c_old.settings)}: {c_old.status} (real path) / {c_new.status} (fake path)"
+            for c_old, c_new, a, b in zip(
+                old_plan.candidates, new_plan.candidates, _plan_answer(old_plan), _plan_answer(new_plan), strict=True
+            )
+            if a != b
+        ],
         "plan same": old_best == new_best,
         "plan chose": (_describe(old_best), _describe(new_best)),
         "ranked by": getattr(new_plan, "ranked_by", "measured"),
@@ -157,6 +164,10 @@ def main() -> None:
         f"(probe {new_probe / old_probe:.2f}, plan {new_plan / old_plan:.2f}). Same memory answers on every row: "
         f"**{'yes' if same else 'no'}**; the same recommended plan on {chose_same} of {len(rows)} rows.",
     ]
+    differences = [(r["workload"], d) for r in rows for d in r["plan differences"]]
+    if differences:
+        lines += ["", "Plan candidates whose verdict or peak differs between the two paths:", ""]
+        lines += [f"- {name}: {d}" for name, d in differences]
     if notes:
         lines += ["", "Where the fake path ran real trials, it said why:", ""]
         lines += [f"- {note}" for note in notes]
