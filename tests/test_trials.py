@@ -142,6 +142,22 @@ def test_trials_are_real_on_an_unlimited_device_and_a_bad_kind_is_a_user_error()
         probe(MLP, "sim:4MiB", trials="quick")  # type: ignore[arg-type]
 
 
+def test_several_ranks_are_rehearsed_with_real_trials_and_say_why() -> None:
+    """A fake trial runs one GPU's step: for N ranks the trials must run the strategy's
+    wrapped model on a fake process group, so they are real, and the probe says why."""
+    workload = memfit.load_workload(MLP)
+    one = choose_trials("auto", workload, memfit.device("sim:4MiB"), memfit.Settings())
+    two = choose_trials("auto", workload, memfit.device("sim:4MiB"), memfit.Settings(world_size=2, shard="full"))
+    assert one.fake and not two.fake
+    told: list[str] = []
+    result = probe(
+        MLP, "sim:4MiB", memfit.Settings(world_size=2, shard="full"), max_batch_size=8, guess=None, say=told.append
+    )
+    assert not any(t.fake for t in result.trials)
+    assert result.extra["rehearsed_world_size"] == 2
+    assert len(told) == 1 and "one rank of 2 is rehearsed on a fake process group" in told[0]
+
+
 def test_plan_on_fake_tensors_finds_what_real_trials_find_and_runs_the_choice_for_real() -> None:
     ref, device = "mlp:layers=4,width=256,features=256", "sim:8MiB"
     real = plan(ref, 512, device, precisions=["fp32", "bf16"], trials="real")
