@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import errno
 import json
+import pickle
 import platform
 import random
 import shutil
@@ -928,8 +929,14 @@ def _whole(path: Path) -> str | None:
     data = path.read_bytes()
     if path.suffix == ".png" and not data.endswith(PNG_END):
         return f"{path.name}: a PNG without its end"
-    if path.suffix == ".html" and not data.rstrip().endswith(b"</html>"):
+    # torch's memory viewer page (report-memory-viz.html, torch's own generator) ends at </body>
+    if path.suffix == ".html" and not data.rstrip().endswith((b"</html>", b"</body>")):
         return f"{path.name}: a page without its end"
+    if path.suffix == ".pickle":
+        try:
+            pickle.loads(data)  # memfit's own snapshot, written by the case just run
+        except Exception:  # noqa: BLE001 - any failure to read it back means it is cut
+            return f"{path.name}: a pickle that does not load"
     if path.suffix == ".json":
         try:
             json.loads(data)
