@@ -174,3 +174,43 @@ def test_gpu_accuracy_refuses_without_cuda_and_dry_runs_on_the_cpu(
     assert all(r["predicted_context"] > 0 and r["measured"] is None for r in data["fixed_costs"])
     assert all(r["predicted"] > 0 for r in data["rnn"])
     assert "attention saved bytes" in capsys.readouterr().out
+
+
+def test_adam2023_updates_as_torch_adam_with_one_more_parameter_sized_intermediate(published: ModuleType) -> None:
+    """The ViT rows' Adam: the same update as torch's foreach Adam, and a step that holds one
+    more copy of the parameters at its peak (the intermediate torch dropped in July 2023)."""
+    import memfit
+    from memfit.workload import Workload
+
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+    theirs.load_state_dict(ours.state_dict())
+    old, new = (
+        published.Adam2023(ours.parameters(), lr=1e-2),
+        torch.optim.Adam(theirs.parameters(), lr=1e-2, foreach=True),
+    )
+    for _ in range(3):
+        x = torch.randn(8, 256)
+        for model, optimizer in ((ours, old), (theirs, new)):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+    def workload(make: Any) -> Workload:
+        # A wide layer and one sample: the optimizer step, not the activations, sets the peak.
+        return Workload(
+            model=lambda: torch.nn.Linear(1024, 1024),
+            make_batch=lambda n: torch.randn(n, 1024),
+            loss=lambda model, batch: model(batch).square().mean(),
+            optimizer=make,
+            name="wide",
+        )
+
+    parameters = (1024 * 1024 + 1024) * 4
+    peak_old = memfit.measure(workload(lambda p: published.Adam2023(p, lr=1e-3)), 1, "sim:1GiB").peak_allocated
+    peak_new = memfit.measure(
+        workload(lambda p: torch.optim.Adam(p, lr=1e-3, foreach=True)), 1, "sim:1GiB"
+    ).peak_allocated
+    assert peak_old - peak_new == pytest.approx(parameters, rel=0.01)
