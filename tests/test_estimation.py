@@ -309,3 +309,12 @@ def test_a_module_instance_is_copied_to_fake_tensors_and_left_alone() -> None:
     assert est.breakdown["parameters"] == 2048 + 512 + 512 + 512
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None and not isinstance(p, torch._subclasses.FakeTensor) for p in model.parameters())
+
+
+def test_no_predicted_speed_for_several_ranks_says_why() -> None:
+    """A card but several ranks: no step time (communication is not modelled), and the reason."""
+    one = memfit.estimate(MLP, 4, gpu="A100 80GB SXM")
+    four = memfit.estimate(MLP, 4, memfit.Settings(world_size=4, shard="full"), gpu="A100 80GB SXM")
+    assert one.predicted_seconds_per_step is not None and one.speed_note == ""
+    assert four.predicted_seconds_per_step is None
+    assert "communication is not modelled" in four.speed_note

@@ -149,6 +149,8 @@ def command(
     speed = speed_line(result)
     if speed:
         console.print(speed)
+    elif result.speed_note:
+        console.print(f"Predicted speed: {result.speed_note}.")
     if result.world_size > 1:
         console.print(method_line(result))
     if snapshot_path is not None:

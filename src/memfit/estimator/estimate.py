@@ -220,6 +220,8 @@ class Estimate(HtmlRepr):
     speed_gpu: str | None = None
     #: where the predicted time goes (seconds: compute, memory, host), and the tf32 settings
     predicted_time: dict[str, Any] | None = None
+    #: why there is no predicted step on the target's card, when there is a card
+    speed_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -600,7 +602,21 @@ def _result(
         predicted_samples_per_second=step.samples_per_second if step else None,
         speed_gpu=step.gpu if step else None,
         predicted_time=step.to_dict() if step else None,
+        speed_note="" if step else _no_speed_reason(target, settings, world),
     )
+
+
+def _no_speed_reason(target: Target, settings: Settings, world_size: int) -> str:
+    """Why :func:`_predicted_time` gave none although the target names a card ("" when it
+    names none: then there is nothing to predict for)."""
+    card = target.speed
+    if card is None:
+        return ""
+    if world_size > 1:
+        return f"no step time for {world_size} ranks: communication is not modelled, so one rank's would be too fast"
+    if settings.precision == "bf16" and not card.bf16:
+        return f"the {card.name} has no bf16"
+    return ""
 
 
 def _predicted_time(
