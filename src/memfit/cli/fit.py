@@ -11,13 +11,13 @@ from memfit.cli.options import (
     device_options,
     err_console,
     json_option,
+    plan_strategy_options,
     print_json,
     settings_axes_options,
     trials_option,
     workload_argument,
 )
 from memfit.memory.devices import device
-from memfit.run.strategy import SHARDS
 from memfit.search.fit import fit
 
 if TYPE_CHECKING:
@@ -42,21 +42,8 @@ if TYPE_CHECKING:
     default=None,
     help="Stop the batch search here (the largest batch you would ever use).",
 )
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
+@plan_strategy_options
 @settings_axes_options
-@click.option(
-    "--shard",
-    "shards",
-    type=click.Choice(SHARDS),
-    multiple=True,
-    help="Sharding strategies the plan considers with --world-size > 1 (repeatable; default: all).",
-)
-@click.option(
-    "--gpus-per-node",
-    type=click.IntRange(min=1),
-    default=None,
-    help="GPUs per machine: the plan adds hybrid sharding (FSDP2 within a node).",
-)
 @click.option(
     "--headroom",
     type=click.FloatRange(0, 1, max_open=True),

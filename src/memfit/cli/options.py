@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memfit.run.strategy import SHARDS, check_strategy
 from memfit.units import parse_size
 
 if TYPE_CHECKING:
@@ -131,10 +132,29 @@ def trials_option(function: F) -> F:
     )(function)
 
 
+def plan_strategy_options(function: F) -> F:
+    """--world-size, --shard (repeatable) and --gpus-per-node: the ranks a plan is for and the
+    sharding strategies it weighs (plan and fit)."""
+    function = click.option(
+        "--gpus-per-node",
+        type=click.IntRange(min=1),
+        default=None,
+        help="GPUs per machine: the plan adds hybrid sharding (FSDP2 within a node) when the world spans nodes.",
+    )(function)
+    function = click.option(
+        "--shard",
+        "shards",
+        type=click.Choice(SHARDS),
+        multiple=True,
+        help="Sharding strategies the plan considers with --world-size > 1 (repeatable; default: all).",
+    )(function)
+    return click.option(
+        "--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs)."
+    )(function)
+
+
 def strategy_options(function: F) -> F:
     """--world-size, --shard and --shard-group-size: how many ranks, and how they share the model."""
-    from memfit.run.strategy import SHARDS
-
     function = click.option(
         "--shard-group-size",
         type=click.IntRange(min=1),
@@ -168,8 +188,6 @@ def make_settings(precision: str, checkpointing: str, **extra: Any) -> Settings:
 
 def strategy(world_size: int, shard: str, shard_group_size: int | None) -> dict[str, Any]:
     """The strategy options as Settings fields, checked before any long work (one line, exit 2)."""
-    from memfit.run.strategy import check_strategy
-
     check_strategy(shard, world_size, shard_group_size)
     return {"world_size": world_size, "shard": shard, "shard_group_size": shard_group_size}
 

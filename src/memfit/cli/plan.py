@@ -13,13 +13,13 @@ from memfit.cli.options import (
     device_options,
     err_console,
     json_option,
+    plan_strategy_options,
     print_json,
     settings_axes_options,
     trials_option,
     workload_argument,
 )
 from memfit.memory.devices import device
-from memfit.run.strategy import SHARDS
 from memfit.search.plan import Candidate, Plan, check_target, plan
 from memfit.units import format_size
 from memfit.workload import load_workload
@@ -40,20 +40,7 @@ if TYPE_CHECKING:
     help="Global batch per optimizer step (micro-batch x accumulation x world size).",
 )
 @device_options
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (GPUs).")
-@click.option(
-    "--shard",
-    "shards",
-    type=click.Choice(SHARDS),
-    multiple=True,
-    help="Sharding strategies to consider with --world-size > 1 (repeatable; default: all).",
-)
-@click.option(
-    "--gpus-per-node",
-    type=click.IntRange(min=1),
-    default=None,
-    help="GPUs per machine: adds hybrid sharding (FSDP2 within a node) when the world spans nodes.",
-)
+@plan_strategy_options
 @settings_axes_options
 @click.option(
     "--headroom",
