@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -46,3 +49,39 @@ def run_cli(capsys: pytest.CaptureFixture[str]):
         return status, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture
+def run_ranks() -> Callable[..., list[str]]:
+    """``run_ranks(script, arguments, world, deadline_s)``: see :func:`_run_ranks`."""
+    return _run_ranks
+
+
+def _run_ranks(script: str, arguments: Callable[[int], Sequence[str]], world: int, deadline_s: float) -> list[str]:
+    """Start ``python script --worker RANK *arguments(RANK)`` for every rank; return their outputs.
+
+    The test fails when a rank is still running after ``deadline_s`` (a rank blocked in a
+    collective: every process is killed) or when any rank exits with a non-zero status
+    (every rank's output is shown).
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, script, "--worker", str(rank), *arguments(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=deadline_s)
+            outputs.append(output.decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            process.kill()
+        pytest.fail(f"the ranks did not finish within {deadline_s} s: a rank is blocked in a collective")
+    assert [p.returncode for p in processes] == [0] * world, "\n".join(outputs)
+    return outputs

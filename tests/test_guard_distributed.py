@@ -11,8 +11,6 @@ This file is also the worker: ``python test_guard_distributed.py --worker RANK .
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -154,35 +152,13 @@ def test_helpers_without_a_process_group_answer_for_this_process() -> None:
 
 @pytest.mark.timeout(DEADLINE_S + 30)
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_only_rank_one_runs_out_of_memory(where: str, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                str(rank),
-                str(tmp_path / "store"),
-                where,
-                str(tmp_path / f"rank{rank}.pt"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(WORLD)
-    ]
-    outputs = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=DEADLINE_S)
-            outputs.append(output.decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        pytest.fail(f"the ranks did not finish within {DEADLINE_S} s: a rank is blocked in a collective")
-    assert [p.returncode for p in processes] == [0, 0], "\n".join(outputs)
+def test_only_rank_one_runs_out_of_memory(where: str, tmp_path: Path, run_ranks: Any) -> None:
+    run_ranks(
+        __file__,
+        lambda rank: [str(tmp_path / "store"), where, str(tmp_path / f"rank{rank}.pt")],
+        WORLD,
+        DEADLINE_S,
+    )
 
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     assert results[1]["left"] == []  # every planned OOM fired on rank 1

@@ -11,8 +11,6 @@ This file is also the worker: ``python test_guard_fsdp.py --worker RANK ...``.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -123,36 +121,13 @@ def reference_history() -> list[list[torch.Tensor]]:
 
 @pytest.mark.timeout(DEADLINE_S + 30)
 @pytest.mark.parametrize(("where", "shard"), [("forward", "full"), ("backward", "full"), ("backward", "gradients")])
-def test_fsdp2_rank_one_runs_out_of_memory(where: str, shard: str, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                str(rank),
-                str(tmp_path / "store"),
-                where,
-                shard,
-                str(tmp_path / f"rank{rank}.pt"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        for rank in range(WORLD)
-    ]
-    outputs = []
-    try:
-        for process in processes:
-            output, _ = process.communicate(timeout=DEADLINE_S)
-            outputs.append(output.decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-        pytest.fail(f"the ranks did not finish within {DEADLINE_S} s: a rank is blocked in a collective")
-    assert [p.returncode for p in processes] == [0, 0], "\n".join(outputs)
+def test_fsdp2_rank_one_runs_out_of_memory(where: str, shard: str, tmp_path: Path, run_ranks: Any) -> None:
+    run_ranks(
+        __file__,
+        lambda rank: [str(tmp_path / "store"), where, shard, str(tmp_path / f"rank{rank}.pt")],
+        WORLD,
+        DEADLINE_S,
+    )
 
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     assert results[1]["left"] == []  # every planned OOM fired on rank 1
