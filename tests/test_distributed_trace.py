@@ -24,8 +24,9 @@ from torch import nn
 import memfit
 from memfit.cli import main
 from memfit.errors import MemfitError
-from memfit.estimator.distributed_trace import heaviest_rank, rehearsal, trace
+from memfit.estimator.distributed_trace import heaviest_rank, rehearsal, trace, zero1_candidates
 from memfit.estimator.estimate import estimate
+from memfit.memory.devices import SimDevice, device
 from memfit.memory.tracker import StorageTracker
 from memfit.run.parallel import describe, fake_process_group
 from memfit.search.lock import Lock, load_lock, write_lock
@@ -46,13 +47,29 @@ def settings(shard: str, group: int | None = None, world: int = WORLD) -> memfit
 # -- real gloo runs against the trace ------------------------------------------------------------
 
 
-def worker(rank: int, store: str, out: str) -> None:
-    """Every strategy, measured on this rank's simulated GPU; rank 0 writes every rank's peaks."""
+#: GPT-2 in bf16 under ZeRO-1: rank 1 holds less optimizer state than rank 0 and peaks higher
+GPT = "gpt2:n_layer=2,n_embd=128,n_head=4,seq_len=64,vocab_size=4096"
+GPT_BATCH = 4
+SIM_GPT = "sim:4GiB"
+
+
+def gpt_zero1() -> memfit.Settings:
+    return memfit.Settings(micro_batch_size=GPT_BATCH, precision="bf16", world_size=WORLD, shard="optimizer")
+
+
+def worker(rank: int, store: str, out: str, job: str) -> None:
+    """Every strategy (or GPT-2 under ZeRO-1), measured on this rank's simulated GPU; rank 0
+    writes every rank's peaks."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    runs = (
+        [(MLP, BATCH, settings(shard, group), SIM) for shard, group in STRATEGIES]
+        if job == "strategies"
+        else [(GPT, GPT_BATCH, gpt_zero1(), SIM_GPT)]
+    )
     results = []
-    for shard, group in STRATEGIES:
-        got = memfit.measure(MLP, BATCH, SIM, settings(shard, group))
+    for ref, batch, chosen, sim in runs:
+        got = memfit.measure(ref, batch, sim, chosen)
         every: list[Any] = [None] * WORLD
         dist.all_gather_object(every, (got.fits, got.peak_allocated, got.peak_reserved))
         results.append(every)
@@ -61,13 +78,13 @@ def worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.timeout(DEADLINE_S + 30)
-def test_every_strategy_traced_equals_a_real_two_process_run(tmp_path: Path) -> None:
+def real_runs(tmp_path: Path, job: str) -> Any:
+    """The peaks of :func:`worker`'s runs in two real processes over gloo."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "real.json"
     processes = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(rank), str(tmp_path / "store"), str(out)],
+            [sys.executable, __file__, "--worker", str(rank), str(tmp_path / "store"), str(out), job],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
@@ -81,7 +98,12 @@ def test_every_strategy_traced_equals_a_real_two_process_run(tmp_path: Path) -> 
             process.kill()
         pytest.fail(f"the ranks did not finish within {DEADLINE_S} s")
     assert [p.returncode for p in processes] == [0, 0], "\n".join(logs)
-    real = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_every_strategy_traced_equals_a_real_two_process_run(tmp_path: Path) -> None:
+    real = real_runs(tmp_path, "strategies")
     workload = memfit.load_workload(MLP)
     for (shard, group), ranks in zip(STRATEGIES, real):
         for rank, (fits, allocated, reserved) in enumerate(ranks):
@@ -89,6 +111,25 @@ def test_every_strategy_traced_equals_a_real_two_process_run(tmp_path: Path) -> 
             assert fits and traced.fits
             assert traced.peak_reserved == reserved, (shard, rank)  # within 1 % is the target; it is exact
             assert traced.peak_allocated == allocated, (shard, rank)
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_zero1_estimate_is_the_rank_that_peaks_highest_not_the_one_holding_most_state(tmp_path: Path) -> None:
+    [ranks] = real_runs(tmp_path, "zero1-bf16")
+    reserved = [r[2] for r in ranks]
+    workload = memfit.load_workload(GPT)
+    sim = device(SIM_GPT)
+    assert isinstance(sim, SimDevice) and sim.cuda is not None
+    semantics = sim.cuda  # the CUDA semantics the real runs on sim: followed
+    # every rank traced with the simulated GPU's CUDA semantics is the real rank, exactly
+    for rank, (fits, allocated, peak) in enumerate(ranks):
+        traced = trace(workload, gpt_zero1(), rank=rank, cuda=semantics)
+        assert fits and (traced.peak_allocated, traced.peak_reserved) == (allocated, peak), rank
+    # rank 0 holds the most optimizer state, yet rank 1 reserves more (the small pool)
+    assert heaviest_rank(workload, gpt_zero1()) == 0 and reserved[1] > reserved[0]
+    est = estimate(workload, GPT_BATCH, gpt_zero1(), device=SIM_GPT, search=False)
+    assert est.rank == 1 and est.peak_reserved == max(reserved)
+    assert zero1_candidates(workload, gpt_zero1()) == [0, 1]
 
 
 # -- what the trace sees -------------------------------------------------------------------------
@@ -344,4 +385,4 @@ def test_torchrun_measure_prints_every_rank_and_the_largest() -> None:
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    worker(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

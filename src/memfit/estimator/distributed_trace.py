@@ -22,9 +22,15 @@ buffers and unsharded parameters.
 
 Which rank: every rank holds the same under DDP; under FSDP2 rank 0 holds the largest
 shards (``torch.chunk`` gives the first ranks the larger pieces); under ZeRO-1
-(``ZeroRedundancyOptimizer``) the ranks hold different parameters' optimizer state, so
-:func:`heaviest_rank` asks ZeRO's own partition which rank holds the most, and that rank
-is traced: the estimate is the largest over the ranks.
+(``ZeroRedundancyOptimizer``) the ranks hold different parameters' optimizer state, and
+the rank holding the most state is not always the one that peaks highest: the caching
+allocator keeps small tensors (under 1 MiB) and large ones in separate pools, so a rank
+whose state is many small tensors (biases, norms) can fill the small pool's segments
+that the next step's activations then need again, and reserve more than a rank holding
+one large state tensor (GPT-2 in bf16 on 2 ranks: rank 1 holds less state and peaks 4 MiB
+higher, in the second step's forward). So every distinct ZeRO-1 partition is traced
+(:func:`zero1_candidates`: one rank for each, ranks holding the same shapes in the same
+order trace alike) and the estimate is the largest over them, naming its rank.
 
 The process state: the fake group is torch.distributed's *default* group, global to the
 process. A process already in a real process group (under torchrun, inside a Lightning
@@ -49,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch.distributed as dist
@@ -67,6 +74,8 @@ __all__ = [
     "tracing",
     "Runner",
     "heaviest_rank",
+    "zero1_candidates",
+    "RankRun",
     "unavailable_reason",
     "rehearsal",
     "run_in_child",
@@ -196,7 +205,8 @@ def lazy_fsdp_chunks() -> Iterator[None]:
 def rehearsal(workload: Workload, settings: Settings) -> Iterator[int]:
     """Play one rank of ``settings.world_size`` on a fake process group with real tensors.
 
-    Yields the rank played: the one holding the most (:func:`heaviest_rank`). Probe and
+    Yields the rank played: the one holding the most parameter bytes
+    (:func:`heaviest_rank`; under ZeRO-1 not always the one peaking highest). Probe and
     plan run their trials inside: the model is wrapped by the strategy as on N GPUs, the
     device holds what that rank would hold (exactly: the same components, the same
     allocations), and a step's time is its computation without communication. With
@@ -226,10 +236,26 @@ def heaviest_rank(workload: Workload, settings: Settings) -> int:
     """The rank holding the most parameter bytes (and so optimizer state) under ZeRO-1; 0
     for every other strategy (DDP: all equal; FSDP2: rank 0 has the largest shards).
 
-    Asks ``ZeroRedundancyOptimizer`` itself, on fake parameters, for its partition.
+    Not always the rank whose memory peaks highest under ZeRO-1 (see the module's text):
+    an estimate traces every :func:`zero1_candidates` rank; this one is the first of them.
+    """
+    return zero1_candidates(workload, settings)[0]
+
+
+def zero1_candidates(workload: Workload, settings: Settings) -> list[int]:
+    """The ranks to trace so that the largest of their traces is the largest of all ranks.
+
+    Under ZeRO-1, one rank for each distinct partition of the parameters (the lowest rank
+    holding it), the one with the most parameter bytes first; ``[0]`` for every other
+    strategy. Why a partition decides a rank's trace: the ranks run the same model and
+    the same collectives (which allocate nothing on the fake process group); what differs
+    is the optimizer state each keeps and its local optimizer's step over its own
+    parameters, in their order. Ranks holding parameters of the same shapes and dtypes in
+    the same order allocate the same sizes in the same order. Asks
+    ``ZeroRedundancyOptimizer`` itself, on fake parameters, for its partition.
     """
     if settings.world_size <= 1 or settings.shard != "optimizer":
-        return 0
+        return [0]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memfit.estimator.fake import _fake_workload
@@ -243,12 +269,39 @@ def heaviest_rank(workload: Workload, settings: Settings) -> int:
                 model = _fake_workload(workload, mode, False, positions).build_model()
             zero: Any = wrap_optimizer(workload.optimizer(model.parameters()))
             # per rank, its parameter groups: what ZeRO gives each rank to keep state for
+            shapes = [
+                tuple((tuple(p.shape), p.dtype) for group in groups for p in group["params"])
+                for groups in zero._partition_parameters()
+            ]
             loads = [
                 sum(p.numel() * p.element_size() for group in groups for p in group["params"])
                 for groups in zero._partition_parameters()
             ]
             del zero, model
-    return max(range(len(loads)), key=lambda r: (loads[r], -r))
+    first: dict[tuple[Any, ...], int] = {}
+    for rank, partition in enumerate(shapes):
+        first.setdefault(partition, rank)
+    return sorted(first.values(), key=lambda r: (-loads[r], r))
+
+
+@dataclass
+class RankRun(FakeRun):
+    """A :class:`FakeRun` of the rank it names: the heaviest of the ranks traced."""
+
+    rank: int = 0
+
+
+def _heaviest(runs: list[RankRun]) -> RankRun:
+    """The run that does not fit, or else the highest peak reserved (then allocated), the
+    earlier candidate on a tie."""
+    for run in runs:
+        if not run.fits:
+            return run
+    return max(runs, key=lambda r: (r.peak_reserved, r.peak_allocated))
+
+
+def _of_rank(run: FakeRun, rank: int) -> RankRun:
+    return RankRun(**{f.name: getattr(run, f.name) for f in fields(run)}, rank=rank)
 
 
 #: runs the fake steps of one settings (its micro-batch) within a budget, counting the
@@ -270,10 +323,14 @@ def tracing(
 
     Yields ``(run, rank)``: ``run(settings, budget, count_ops)`` traces ``steps`` optimizer
     steps at ``settings``' micro-batch, following ``cuda``'s semantics (see
-    :func:`memfit.estimator.fake.run_fake_steps`); ``rank`` is the rank traced (by default
-    :func:`heaviest_rank`). Why one group for several traces: the batch-size search
-    traces the same strategy at several batch sizes, and DTensor's sharding decisions,
-    cached per device mesh, then carry over from one trace to the next.
+    :func:`memfit.estimator.fake.run_fake_steps`), and returns a :class:`RankRun` naming the
+    rank it is for. With ``rank`` given, that rank is traced; by default every rank of
+    :func:`zero1_candidates` is (one under DDP and FSDP2), each in its own fake process
+    group, and the run returned is the heaviest (or the first that does not fit within
+    ``budget``: the others need not run). ``rank`` yielded is the rank given or the first
+    candidate. Why one group for several traces: the batch-size search traces the same
+    strategy at several batch sizes, and DTensor's sharding decisions, cached per device
+    mesh, then carry over from one trace to the next (FSDP2, which has one candidate).
 
     Raises:
         TraceUnavailable: tracing cannot run here (see :func:`unavailable_reason`), or
@@ -291,15 +348,41 @@ def tracing(
 
         yield single, 0
         return
-    traced_rank = heaviest_rank(workload, settings) if rank is None else rank
-    with _fake_group(settings.world_size, traced_rank), fsdp_labels(), lazy_fsdp_chunks():
+    world = settings.world_size
+    ranks = zero1_candidates(workload, settings) if rank is None else [rank]
+    if len(ranks) == 1:
+        with _fake_group(world, ranks[0]), fsdp_labels(), lazy_fsdp_chunks():
 
-        def run(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
-            return run_fake_steps(
-                workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
-            )
+            def run(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
+                return _of_rank(
+                    run_fake_steps(
+                        workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
+                    ),
+                    ranks[0],
+                )
 
-        yield run, traced_rank
+            yield run, ranks[0]
+        return
+
+    def every_candidate(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
+        heaviest: RankRun | None = None
+        for candidate in ranks:
+            with _fake_group(world, candidate):
+                one = _of_rank(
+                    run_fake_steps(
+                        workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
+                    ),
+                    candidate,
+                )
+            # only the heaviest so far is kept: each run holds every event of its steps
+            heaviest = one if heaviest is None else _heaviest([heaviest, one])
+            if not one.fits:
+                break
+        assert heaviest is not None
+        return heaviest
+
+    with fsdp_labels(), lazy_fsdp_chunks():
+        yield every_candidate, ranks[0]
 
 
 def trace(
@@ -315,9 +398,12 @@ def trace(
     """Run ``steps`` optimizer steps as one rank of ``settings.world_size`` on fake tensors.
 
     The same as :func:`memfit.estimator.fake.run_fake_steps` (whose arguments these are),
-    on a fake process group, as rank ``rank`` (default: :func:`heaviest_rank`); with
+    on a fake process group, as rank ``rank`` (default: the heaviest of
+    :func:`zero1_candidates`; the result is a :class:`RankRun` naming it); with
     ``world_size=1`` it is that function. In a process already in a process group, the
-    trace runs in a child process.
+    trace runs in a child process. ``cuda`` matters for a comparison: a simulated GPU
+    (``sim:SIZE``) follows ``CudaTarget()``'s semantics, and a trace without ``cuda``
+    counts what the CPU's kernels keep (attention, autocast casts), not CUDA's.
 
     Raises:
         TraceUnavailable: tracing cannot run here (no torch.distributed, or a workload

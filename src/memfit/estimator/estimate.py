@@ -28,7 +28,8 @@ bisection).
 With ``world_size > 1`` (and a ``shard`` strategy) every figure is one rank's: the steps
 run as that rank of a fake process group of N ranks, wrapped by PyTorch's own DDP,
 ZeroRedundancyOptimizer or FSDP2 (:mod:`memfit.estimator.distributed_trace`), within the
-per-rank budget; the breakdown adds ``communication buffers`` (DDP's buckets, FSDP2's
+per-rank budget, for the rank that holds the most (under ZeRO-1 every distinct partition
+is traced and the heaviest is shown: ``rank``); the breakdown adds ``communication buffers`` (DDP's buckets, FSDP2's
 all-gather and reduce-scatter buffers) and ``unsharded parameters`` (FSDP2's full
 parameters of a unit). ``method`` is ``"traced"``. Where tracing cannot run (no
 torch.distributed, or a process in a real process group with a workload a separate
@@ -303,6 +304,13 @@ class _Prediction:
             self._run.events = []  # the replay is done: let the events go
         return self._peak
 
+    @property
+    def rank(self) -> int | None:
+        """The rank whose run this is (the heaviest traced), None on one GPU."""
+        self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
+        rank: int | None = getattr(self._run, "rank", None)
+        return rank
+
 
 #: how the per-rank figures were found
 Method = Literal["single GPU", "traced", "formulas"]
@@ -461,6 +469,9 @@ def _search_and_show(
     chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
     prediction = predict(chosen)
     peak = prediction.peak
+    # under ZeRO-1 the heaviest rank can change with the batch size: the one of the batch shown
+    shown_rank = prediction.rank
+    rank = rank if shown_rank is None else shown_rank
     step = (
         _predicted_time(wl, settings.replace(micro_batch_size=chosen), target, prediction, settings.world_size)
         if speed
