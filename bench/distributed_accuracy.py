@@ -143,7 +143,13 @@ def accuracy(quick: bool) -> tuple[list[str], float, float]:
     import memfit
     from memfit.estimator.distributed_trace import trace
     from memfit.estimator.estimate import estimate
+    from memfit.memory.devices import device
     from memfit.run.strategy import describe
+
+    # The real runs follow the simulated GPU's CUDA semantics (its attention kernels and
+    # autocast lists); the traces must follow the same, or they count the CPU kernels'.
+    semantics = getattr(device(SIM), "cuda", None)
+    assert semantics is not None
 
     rows: list[str] = []
     worst_rank = worst_estimate = 0.0
@@ -157,7 +163,7 @@ def accuracy(quick: bool) -> tuple[list[str], float, float]:
                 shard_group_size=case["group"],
             )
             workload = memfit.load_workload(case["workload"])
-            traced = [trace(workload, settings, rank=rank) for rank in range(world)]
+            traced = [trace(workload, settings, rank=rank, cuda=semantics) for rank in range(world)]
             errors = [error(t.peak_reserved, r["reserved"]) for t, r in zip(traced, case["ranks"])]
             est = estimate(workload, case["batch"], settings, device=SIM, search=False)
             largest = max(r["reserved"] for r in case["ranks"])
