@@ -24,7 +24,7 @@ from torch import nn
 import memfit
 from memfit.cli import main
 from memfit.errors import MemfitError
-from memfit.estimator.distributed_trace import heaviest_rank, rehearsal, trace, zero1_candidates
+from memfit.estimator.distributed_trace import candidate_ranks, heaviest_rank, rehearsal, trace
 from memfit.estimator.estimate import estimate
 from memfit.memory.devices import SimDevice, device
 from memfit.memory.tracker import StorageTracker
@@ -129,7 +129,7 @@ def test_zero1_estimate_is_the_rank_that_peaks_highest_not_the_one_holding_most_
     assert heaviest_rank(workload, gpt_zero1()) == 0 and reserved[1] > reserved[0]
     est = estimate(workload, GPT_BATCH, gpt_zero1(), device=SIM_GPT, search=False)
     assert est.rank == 1 and est.peak_reserved == max(reserved)
-    assert zero1_candidates(workload, gpt_zero1()) == [0, 1]
+    assert candidate_ranks(workload, gpt_zero1()) == [0, 1]
 
 
 # -- what the trace sees -------------------------------------------------------------------------
@@ -157,6 +157,23 @@ def test_ddp_buckets_are_ddps_own_and_zero1_traces_the_heaviest_rank() -> None:
     zero = estimate(MLP, BATCH, settings("optimizer", world=4), device=SIM, search=False)
     per_rank = [trace(workload, settings("optimizer", world=4), rank=r).peak_allocated for r in range(4)]
     assert zero.rank == 0 and zero.peak_allocated == max(per_rank) > min(per_rank)
+
+
+def test_fsdp2_estimate_is_the_last_rank_when_its_shorter_shards_reserve_more() -> None:
+    # widths 256 and 512 over 4 ranks: equal shards; the 10-row output layer: 3 / 3 / 3 / 1
+    wide = "mlp:layers=4,width=512,features=256"
+    kept = memfit.Settings(micro_batch_size=16, world_size=4, shard="gradients")
+    workload = memfit.load_workload(wide)
+    assert candidate_ranks(workload, kept) == [0, 3]
+    assert candidate_ranks(workload, kept.replace(shard="full", shard_group_size=2)) == [0]  # 10 rows: 5 / 5
+    assert candidate_ranks(workload, kept.replace(shard="none")) == [0]
+    sim = device("sim:4GiB")
+    assert isinstance(sim, SimDevice)
+    per_rank = [trace(workload, kept, rank=r, cuda=sim.cuda).peak_reserved for r in (0, 3)]
+    # rank 0 holds the larger shards, yet rank 3 reserves one 2 MiB segment more
+    assert per_rank[1] == per_rank[0] + 2 * 2**20
+    est = estimate(workload, 16, kept, device="sim:4GiB", search=False)
+    assert est.rank == 3 and est.peak_reserved == per_rank[1]
 
 
 def test_hybrid_sharding_divides_within_the_group_only() -> None:

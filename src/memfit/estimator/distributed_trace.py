@@ -28,9 +28,11 @@ allocator keeps small tensors (under 1 MiB) and large ones in separate pools, so
 whose state is many small tensors (biases, norms) can fill the small pool's segments
 that the next step's activations then need again, and reserve more than a rank holding
 one large state tensor (GPT-2 in bf16 on 2 ranks: rank 1 holds less state and peaks 4 MiB
-higher, in the second step's forward). So every distinct ZeRO-1 partition is traced
-(:func:`zero1_candidates`: one rank for each, ranks holding the same shapes in the same
-order trace alike) and the estimate is the largest over them, naming its rank.
+higher, in the second step's forward). The same holds under FSDP2 for the last ranks'
+shorter shards (an MLP on 4 ranks, ``reshard_after_forward=False``: rank 3 reserves a
+2 MiB segment more than rank 0). So every rank keeping a distinct set of tensors is
+traced (:func:`candidate_ranks`: one rank for each, ranks keeping the same shapes in the
+same order trace alike) and the estimate is the largest over them, naming its rank.
 
 The process state: the fake group is torch.distributed's *default* group, global to the
 process. A process already in a real process group (under torchrun, inside a Lightning
@@ -74,7 +76,7 @@ __all__ = [
     "tracing",
     "Runner",
     "heaviest_rank",
-    "zero1_candidates",
+    "candidate_ranks",
     "RankRun",
     "unavailable_reason",
     "rehearsal",
@@ -233,28 +235,36 @@ def rehearsal(workload: Workload, settings: Settings) -> Iterator[int]:
 
 
 def heaviest_rank(workload: Workload, settings: Settings) -> int:
-    """The rank holding the most parameter bytes (and so optimizer state) under ZeRO-1; 0
-    for every other strategy (DDP: all equal; FSDP2: rank 0 has the largest shards).
+    """The rank holding the most parameter bytes: under ZeRO-1 the one with the most
+    optimizer state, under FSDP2 rank 0 (``torch.chunk`` gives the first ranks the larger
+    shards), under DDP any (all equal): 0.
 
-    Not always the rank whose memory peaks highest under ZeRO-1 (see the module's text):
-    an estimate traces every :func:`zero1_candidates` rank; this one is the first of them.
+    Not always the rank whose memory peaks highest (see the module's text): an estimate
+    traces every :func:`candidate_ranks` rank; this one is the first of them.
     """
-    return zero1_candidates(workload, settings)[0]
+    return candidate_ranks(workload, settings)[0]
 
 
-def zero1_candidates(workload: Workload, settings: Settings) -> list[int]:
+def candidate_ranks(workload: Workload, settings: Settings) -> list[int]:
     """The ranks to trace so that the largest of their traces is the largest of all ranks.
 
-    Under ZeRO-1, one rank for each distinct partition of the parameters (the lowest rank
-    holding it), the one with the most parameter bytes first; ``[0]`` for every other
-    strategy. Why a partition decides a rank's trace: the ranks run the same model and
-    the same collectives (which allocate nothing on the fake process group); what differs
-    is the optimizer state each keeps and its local optimizer's step over its own
-    parameters, in their order. Ranks holding parameters of the same shapes and dtypes in
-    the same order allocate the same sizes in the same order. Asks
-    ``ZeroRedundancyOptimizer`` itself, on fake parameters, for its partition.
+    One rank for each distinct set of tensors a rank keeps (the lowest rank keeping it),
+    the one holding the most parameter bytes first:
+
+    - DDP: ``[0]``, every rank holds the same;
+    - ZeRO-1: one rank per distinct partition of ``ZeroRedundancyOptimizer`` (asked
+      itself, on fake parameters): the ranks run the same model and collectives (which
+      allocate nothing on the fake process group) and differ in the optimizer state they
+      keep and their local optimizer's step over their own parameters, in order;
+    - FSDP2 and HSDP: one rank per distinct list of shard shapes (``torch.chunk`` of every
+      parameter's first dimension over the shard group; a rank's place in that group is
+      ``rank % group size``): the last ranks' shorter or empty shards make smaller
+      optimizer states, which the allocator may place worse.
+
+    Ranks keeping tensors of the same shapes and dtypes in the same order allocate the
+    same sizes in the same order, so their traces are the same.
     """
-    if settings.world_size <= 1 or settings.shard != "optimizer":
+    if settings.world_size <= 1 or settings.shard == "none":
         return [0]
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -262,26 +272,51 @@ def zero1_candidates(workload: Workload, settings: Settings) -> list[int]:
     from memfit.estimator.transformers_masks import watching_positions
     from memfit.run.parallel import wrap_optimizer
 
+    kept: list[tuple[Any, ...]]  # per rank, the shapes and dtypes it keeps
+    loads: list[int]  # per rank, the parameter bytes it keeps
     with _fake_group(settings.world_size):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             with watching_positions() as positions:
                 model = _fake_workload(workload, mode, False, positions).build_model()
-            zero: Any = wrap_optimizer(workload.optimizer(model.parameters()))
-            # per rank, its parameter groups: what ZeRO gives each rank to keep state for
-            shapes = [
-                tuple((tuple(p.shape), p.dtype) for group in groups for p in group["params"])
-                for groups in zero._partition_parameters()
-            ]
-            loads = [
-                sum(p.numel() * p.element_size() for group in groups for p in group["params"])
-                for groups in zero._partition_parameters()
-            ]
-            del zero, model
+            if settings.shard == "optimizer":
+                zero: Any = wrap_optimizer(workload.optimizer(model.parameters()))
+                partitions = [
+                    [p for group in groups for p in group["params"]] for groups in zero._partition_parameters()
+                ]
+                kept = [tuple((tuple(p.shape), p.dtype) for p in params) for params in partitions]
+                loads = [sum(p.numel() * p.element_size() for p in params) for params in partitions]
+                del zero
+            else:
+                group = settings.shard_group_size or settings.world_size
+                shapes = [(tuple(p.shape) or (1,), p.dtype, p.element_size()) for p in model.parameters()]
+                kept, loads = [], []
+                for rank in range(group):  # rank r of the first replica holds shard r of each
+                    mine = [((_chunk(shape[0], group, rank), *shape[1:]), dtype, size) for shape, dtype, size in shapes]
+                    kept.append(tuple((shape, dtype) for shape, dtype, _ in mine))
+                    loads.append(sum(size * _numel(shape) for shape, _, size in mine))
+            del model
     first: dict[tuple[Any, ...], int] = {}
-    for rank, partition in enumerate(shapes):
-        first.setdefault(partition, rank)
+    for rank, tensors in enumerate(kept):
+        first.setdefault(tensors, rank)
     return sorted(first.values(), key=lambda r: (-loads[r], r))
+
+
+def _chunk(length: int, chunks: int, index: int) -> int:
+    """The length of ``torch.chunk``'s piece ``index`` (0 past the last piece), as FSDP2 shards.
+
+    >>> [_chunk(10, 4, i) for i in range(4)], [_chunk(3, 4, i) for i in range(4)]
+    ([3, 3, 3, 1], [1, 1, 1, 0])
+    """
+    step = -(-length // chunks)
+    return max(0, min(step, length - index * step))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 @dataclass
@@ -325,12 +360,12 @@ def tracing(
     steps at ``settings``' micro-batch, following ``cuda``'s semantics (see
     :func:`memfit.estimator.fake.run_fake_steps`), and returns a :class:`RankRun` naming the
     rank it is for. With ``rank`` given, that rank is traced; by default every rank of
-    :func:`zero1_candidates` is (one under DDP and FSDP2), each in its own fake process
-    group, and the run returned is the heaviest (or the first that does not fit within
-    ``budget``: the others need not run). ``rank`` yielded is the rank given or the first
-    candidate. Why one group for several traces: the batch-size search traces the same
+    :func:`candidate_ranks` is (one under DDP), each in its own fake process group, and
+    the run returned is the heaviest (or the first that does not fit within ``budget``:
+    the others need not run). ``rank`` yielded is the rank given or the first candidate. Why one group for several traces: the batch-size search traces the same
     strategy at several batch sizes, and DTensor's sharding decisions, cached per device
-    mesh, then carry over from one trace to the next (FSDP2, which has one candidate).
+    mesh, then carry over from one trace to the next (with one candidate, as FSDP2 has
+    where every shard has the same shape).
 
     Raises:
         TraceUnavailable: tracing cannot run here (see :func:`unavailable_reason`), or
@@ -349,7 +384,7 @@ def tracing(
         yield single, 0
         return
     world = settings.world_size
-    ranks = zero1_candidates(workload, settings) if rank is None else [rank]
+    ranks = candidate_ranks(workload, settings) if rank is None else [rank]
     if len(ranks) == 1:
         with _fake_group(world, ranks[0]), fsdp_labels(), lazy_fsdp_chunks():
 
@@ -399,7 +434,7 @@ def trace(
 
     The same as :func:`memfit.estimator.fake.run_fake_steps` (whose arguments these are),
     on a fake process group, as rank ``rank`` (default: the heaviest of
-    :func:`zero1_candidates`; the result is a :class:`RankRun` naming it); with
+    :func:`candidate_ranks`; the result is a :class:`RankRun` naming it); with
     ``world_size=1`` it is that function. In a process already in a process group, the
     trace runs in a child process. ``cuda`` matters for a comparison: a simulated GPU
     (``sim:SIZE``) follows ``CudaTarget()``'s semantics, and a trace without ``cuda``
