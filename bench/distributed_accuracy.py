@@ -80,6 +80,9 @@ LLAMA_COMMAND = [
 #: real runs of every case, one after the other in the same job (gloo's runs are not always repeatable)
 REAL_RUNS = 2
 
+#: the same under ZeRO-1: one trace per distinct partition of the optimizer state
+LLAMA_ZERO1_COMMAND = [("optimizer" if arg == "full" else arg) for arg in LLAMA_COMMAND]
+
 
 def cases(world: int, quick: bool) -> list[dict[str, Any]]:
     return [
@@ -217,12 +220,10 @@ def accuracy(quick: bool) -> Accuracy:
 # -- part 2: Llama 7B on 64 ranks ----------------------------------------------------------------
 
 
-def timed_llama() -> tuple[dict[str, Any], float, float, float]:
-    """The command under /usr/bin/time -v: (its JSON, wall s, CPU s, max RSS GiB)."""
+def timed_llama(command: list[str]) -> tuple[dict[str, Any], float, float, float]:
+    """``memfit COMMAND`` under /usr/bin/time -v: (its JSON, wall s, CPU s, max RSS GiB)."""
     memfit_bin = str(Path(sys.executable).with_name("memfit"))
-    done = subprocess.run(
-        ["/usr/bin/time", "-v", memfit_bin, *LLAMA_COMMAND], capture_output=True, text=True, check=True
-    )
+    done = subprocess.run(["/usr/bin/time", "-v", memfit_bin, *command], capture_output=True, text=True, check=True)
 
     def field(name: str) -> str:
         match = re.search(rf"{re.escape(name)}: (.+)", done.stderr)
@@ -233,6 +234,15 @@ def timed_llama() -> tuple[dict[str, Any], float, float, float]:
     cpu = float(field("User time (seconds)")) + float(field("System time (seconds)"))
     rss = int(field("Maximum resident set size (kbytes)")) * 1024 / 2**30
     return json.loads(done.stdout), wall, cpu, rss
+
+
+def zero1_candidates() -> int:
+    """How many ranks :data:`LLAMA_ZERO1_COMMAND` traces (one per distinct ZeRO-1 partition)."""
+    import memfit
+    from memfit.estimator.distributed_trace import candidate_ranks
+
+    settings = memfit.Settings(precision="bf16", world_size=64, shard="optimizer")
+    return len(candidate_ranks(memfit.load_workload("llama-7b"), settings))
 
 
 def deepspeed_zero3(total_params: int, largest_layer_params: int, gpus: int) -> int:
@@ -345,7 +355,9 @@ checked here (no GPU).
         print(accuracy_text)
         return
 
-    data, wall, cpu, rss = timed_llama()
+    data, wall, cpu, rss = timed_llama(LLAMA_COMMAND)
+    zero1, zero1_wall, zero1_cpu, zero1_rss = timed_llama(LLAMA_ZERO1_COMMAND)
+    zero1_traced = zero1_candidates()
     total, largest = model_counts("llama-7b")
     ds = deepspeed_zero3(total, largest, 64)
     titan = published()
@@ -372,6 +384,13 @@ Per-GPU figure at batch 1: peak allocated {data["peak_allocated"] / gib:.2f} GiB
 | memfit (this trace), peak reserved | {data["peak_reserved"] / gib:.2f} | everything the caching allocator holds (model states, activations, FSDP2's buffers and full parameters, fragmentation) |
 | memfit, peak allocated | {data["peak_allocated"] / gib:.2f} | the same, without the allocator's caching |
 | DeepSpeed `estimate_zero3_model_states_mem_needs` (no offload) | {ds / gib:.2f} | model states only: 18 bytes/parameter / GPUs + 4 x the largest layer ({total / 1e9:.2f} B parameters, largest layer {largest / 1e6:.0f} M); no activations |
+
+Under ZeRO-1 the ranks keep different optimizer states, and every distinct partition is
+traced ({zero1_traced} ranks here): `memfit {" ".join(repr(a) if " " in a else a for a in LLAMA_ZERO1_COMMAND)}`
+under `/usr/bin/time -v`: **wall {zero1_wall:.1f} s, CPU {zero1_cpu:.1f} s, max RSS {zero1_rss:.2f} GiB**;
+heaviest rank {zero1["rank"]}, peak reserved {zero1["peak_reserved"] / gib:.2f} GiB (fits on the card:
+{zero1["fits"]}; a budgeted trace that does not fit stops there, and the figure shown is
+each candidate's unlimited run).
 
 DeepSpeed's formula is the model states alone (activations are
 {data["breakdown"].get("activations", 0) / gib:.1f} GiB of the peak here, FSDP2's buffers and
