@@ -390,7 +390,7 @@ traced ({zero1_traced} ranks here): `memfit {" ".join(repr(a) if " " in a else a
 under `/usr/bin/time -v`: **wall {zero1_wall:.1f} s, CPU {zero1_cpu:.1f} s, max RSS {zero1_rss:.2f} GiB**;
 heaviest rank {zero1["rank"]}, peak reserved {zero1["peak_reserved"] / gib:.2f} GiB (fits on the card:
 {zero1["fits"]}; a budgeted trace that does not fit stops there, and the figure shown is
-each candidate's unlimited run).
+the heaviest of the candidates' unlimited runs).
 
 DeepSpeed's formula is the model states alone (activations are
 {data["breakdown"].get("activations", 0) / gib:.1f} GiB of the peak here, FSDP2's buffers and
