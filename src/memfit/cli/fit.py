@@ -10,6 +10,7 @@ from memfit.cli.options import (
     console,
     device_options,
     err_console,
+    headroom_option,
     json_option,
     plan_strategy_options,
     print_json,
@@ -44,13 +45,7 @@ if TYPE_CHECKING:
 )
 @plan_strategy_options
 @settings_axes_options
-@click.option(
-    "--headroom",
-    type=click.FloatRange(0, 1, max_open=True),
-    default=0.05,
-    show_default=True,
-    help="Fraction of memory to keep free.",
-)
+@headroom_option("Fraction of memory to keep free.")
 @click.option(
     "--lock",
     "lock_path",

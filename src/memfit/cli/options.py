@@ -132,6 +132,13 @@ def trials_option(function: F) -> F:
     )(function)
 
 
+def headroom_option(help_text: str) -> Callable[[F], F]:
+    """--headroom: the fraction of memory a recommendation leaves free (probe, plan, fit)."""
+    return click.option(
+        "--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True, help=help_text
+    )
+
+
 def plan_strategy_options(function: F) -> F:
     """--world-size, --shard (repeatable) and --gpus-per-node: the ranks a plan is for and the
     sharding strategies it weighs (plan and fit)."""

@@ -12,6 +12,7 @@ from memfit.cli.options import (
     console,
     device_options,
     err_console,
+    headroom_option,
     json_option,
     plan_strategy_options,
     print_json,
@@ -42,13 +43,7 @@ if TYPE_CHECKING:
 @device_options
 @plan_strategy_options
 @settings_axes_options
-@click.option(
-    "--headroom",
-    type=click.FloatRange(0, 1, max_open=True),
-    default=0.05,
-    show_default=True,
-    help="Fraction of memory the recommended settings leave free.",
-)
+@headroom_option("Fraction of memory the recommended settings leave free.")
 @click.option(
     "--reference-batch",
     type=click.IntRange(min=1),

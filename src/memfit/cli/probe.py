@@ -23,6 +23,7 @@ from memfit.cli.options import (
     console,
     device_options,
     err_console,
+    headroom_option,
     json_option,
     make_settings,
     print_json,
@@ -60,13 +61,7 @@ EXPECTED_TRIALS = 10
     show_default=True,
     help="Only batch sizes that are multiples of K (8 suits tensor cores).",
 )
-@click.option(
-    "--headroom",
-    type=click.FloatRange(0, 1, max_open=True),
-    default=0.05,
-    show_default=True,
-    help="Fraction of memory the recommended batch leaves free.",
-)
+@headroom_option("Fraction of memory the recommended batch leaves free.")
 @click.option(
     "--guess",
     type=click.IntRange(min=1),
