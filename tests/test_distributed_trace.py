@@ -134,6 +134,22 @@ def test_zero1_estimate_is_the_rank_that_peaks_highest_not_the_one_holding_most_
     assert candidate_ranks(workload, gpt_zero1()) == [0, 1]
 
 
+def test_probe_rehearses_the_rank_the_trace_finds_heaviest() -> None:
+    """Under ZeRO-1 in bf16 rank 1 peaks higher than rank 0, which holds more state: probe
+    rehearses rank 1, and its headroom batch is the one rank 1 keeps within the headroom."""
+    zero1 = gpt_zero1().replace(micro_batch_size=None)
+    est = estimate(GPT, None, zero1, device="sim:80MiB", speed=False)
+    assert heaviest_rank(memfit.load_workload(GPT), zero1) == 0 and est.rank == 1
+    heavy = memfit.probe(GPT, "sim:80MiB", zero1)
+    light = memfit.probe(GPT, "sim:80MiB", zero1, rehearse_rank=0)
+    assert heavy.extra["rehearsed_rank"] == 1 and light.extra["rehearsed_rank"] == 0
+    assert heavy.max_batch_size == est.max_batch_size
+    # rank 0's trials would recommend a batch whose step puts rank 1 over the headroom
+    assert heavy.headroom_batch_size < light.headroom_batch_size
+    with pytest.raises(MemfitError, match="invalid rank 2 to rehearse"):
+        memfit.probe(GPT, "sim:80MiB", zero1, guess=None, rehearse_rank=2)
+
+
 # -- what the trace sees -------------------------------------------------------------------------
 
 

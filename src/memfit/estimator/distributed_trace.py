@@ -204,11 +204,12 @@ def lazy_fsdp_chunks() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def rehearsal(workload: Workload, settings: Settings) -> Iterator[int]:
+def rehearsal(workload: Workload, settings: Settings, rank: int | None = None) -> Iterator[int]:
     """Play one rank of ``settings.world_size`` on a fake process group with real tensors.
 
-    Yields the rank played: the one holding the most parameter bytes
-    (:func:`heaviest_rank`; under ZeRO-1 not always the one peaking highest). Probe and
+    Yields the rank played: ``rank``, or by default the one holding the most parameter
+    bytes (:func:`heaviest_rank`; under ZeRO-1 and FSDP2 with uneven shards not always the
+    one peaking highest: probe passes the rank the traced estimate found heaviest). Probe and
     plan run their trials inside: the model is wrapped by the strategy as on N GPUs, the
     device holds what that rank would hold (exactly: the same components, the same
     allocations), and a step's time is its computation without communication. With
@@ -229,7 +230,10 @@ def rehearsal(workload: Workload, settings: Settings) -> Iterator[int]:
             f"world size {settings.world_size} is rehearsed as one rank of a fake process group in one "
             "process; this one is already in a process group: run it without torchrun"
         )
-    rank = heaviest_rank(workload, settings)
+    if rank is None:
+        rank = heaviest_rank(workload, settings)
+    elif not 0 <= rank < settings.world_size:
+        raise MemfitError(f"invalid rank {rank} to rehearse: world size {settings.world_size}")
     with fake_process_group(settings.world_size, rank):
         yield rank
 

@@ -283,6 +283,8 @@ def fit(
         progress=_probe_progress(say),
         trials=trials,
         say=say,
+        # the rank the estimate found heaviest (its trace covers every distinct rank)
+        rehearse_rank=predicted.rank if predicted is not None and world_size > 1 else None,
     )
     target = target_batch_size or found.recommended_batch_size * world_size
     say(f"plan: the fastest settings that reach batch {target}")

@@ -35,7 +35,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -414,6 +414,7 @@ def probe(
     preserve: Sequence[Any] = (),
     trials: TrialKind = "auto",
     say: Callable[[str], None] | None = None,
+    rehearse_rank: int | None = None,
 ) -> ProbeResult:
     """Find the largest batch that fits on ``device`` (exact) and the batch to use.
 
@@ -441,6 +442,9 @@ def probe(
             answer with real runs (the maximum fits, the next size does not); ``"real"``
             runs every trial for real (see :mod:`memfit.search.trials`).
         say: receives one line when trials fall back to real runs, and why.
+        rehearse_rank: with ``world_size > 1``, the rank whose memory the trials rehearse
+            (default: the rank the traced estimate found heaviest at its guess, when it
+            ran; else the one holding the most parameter bytes).
 
     Raises:
         DoesNotFitError: not even the smallest batch fits.
@@ -479,13 +483,18 @@ def probe(
         with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *preserve) as snapshot:
             probed = _preserving_optimizers(wl, snapshot)
             if guess == "estimate":
-                space = dataclasses.replace(space, guess=estimated_guess(wl, gpu, settings, max_batch_size))
+                guessed = estimated_guess(wl, gpu, settings, max_batch_size)
+                space = dataclasses.replace(space, guess=guessed.batch_size)
+                if rehearse_rank is None and settings.world_size > 1:
+                    # Under ZeRO-1 or uneven FSDP2 shards the rank that peaks highest is
+                    # not always the one holding the most: the trace of every candidate says.
+                    rehearse_rank = guessed.rank
 
             # The one place that chooses what a trial runs (see memfit.search.trials).
             run_trial = choose_trials(trials, probed, gpu, settings, steps=TRIAL_STEPS, say=say)
             # world_size > 1: the trials rehearse the rank holding the most, on a fake
             # process group (the strategy's memory exactly; time without communication).
-            with rehearsal(wl, settings) as rank:
+            with rehearsal(wl, settings, rehearse_rank) as rank:
                 found = confirmed_search(
                     run_trial,
                     space,
@@ -509,8 +518,16 @@ def probe(
     return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed})
 
 
-def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: int | None) -> int | None:
-    """The estimator's largest batch, as the search's first guess (None when unknown).
+class Guess(NamedTuple):
+    """The estimator's largest batch (None when unknown) and the rank it is for (the
+    heaviest of the ranks traced; None for one rank, or when unknown)."""
+
+    batch_size: int | None
+    rank: int | None
+
+
+def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: int | None) -> Guess:
+    """The estimator's largest batch, as the search's first guess, and its heaviest rank.
 
     Why tolerate a failure: the guess only saves trials; an operation fake tensors cannot
     run must not stop a probe that real trials can do.
@@ -518,7 +535,7 @@ def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: 
     if gpu.capacity is None or not workload.builds_fresh_models:
         # A model instance comes with the script's own optimizer (bound to the real
         # parameters), which a fake-tensor run must not touch: search from batch 1.
-        return None
+        return Guess(None, None)
     from memfit.estimator.estimate import estimate
 
     try:
@@ -527,8 +544,9 @@ def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: 
         )
     except Exception:  # noqa: BLE001 - only the starting point is lost; real trials follow
         # A bug in the user's step shows up unchanged in the first real trial.
-        return None
-    return predicted.max_batch_size or None
+        return Guess(None, None)
+    rank = predicted.rank if predicted.world_size > 1 and predicted.max_batch_size else None
+    return Guess(predicted.max_batch_size or None, rank)
 
 
 def _preserving_optimizers(workload: Workload, snapshot: Snapshot) -> Workload:
