@@ -150,6 +150,17 @@ def test_probe_rehearses_the_rank_the_trace_finds_heaviest() -> None:
         memfit.probe(GPT, "sim:80MiB", zero1, guess=None, rehearse_rank=2)
 
 
+def test_plan_rehearses_the_rank_the_trace_finds_heaviest() -> None:
+    """The same ZeRO-1 case in plan: measured on rank 0, micro-batch 10 would look within the
+    headroom; rank 1, which the trace finds heaviest, puts it over, and 5 x 2 is chosen."""
+    from memfit.search.plan import plan
+
+    result = plan(GPT, 20, "sim:80MiB", world_size=2, precisions=["bf16"], checkpointing=["none"], shards=["optimizer"])
+    status = {c.settings.micro_batch_size: c.status for c in result.candidates}
+    assert status[10] == "over headroom"
+    assert result.recommended is not None and result.recommended.settings.micro_batch_size == 5
+
+
 # -- what the trace sees -------------------------------------------------------------------------
 
 

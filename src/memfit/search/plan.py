@@ -442,15 +442,36 @@ def _group(s: Settings) -> tuple[Precision, Checkpointing, Strategy]:
 
 
 @contextmanager
-def _rehearsing(workload: Workload, shape: Settings, run_trial: Trial) -> Iterator[None]:
-    """For several ranks, the default trials run inside a rehearsal of the heaviest rank."""
+def _rehearsing(
+    workload: Workload, shape: Settings, run_trial: Trial, device: Device, limit: int | None
+) -> Iterator[None]:
+    """For several ranks, the default trials run inside a rehearsal of the heaviest rank:
+    the one the estimate's trace (every distinct rank) finds peaking highest at the group's
+    largest micro-batch, else the one holding the most parameter bytes."""
     if shape.world_size <= 1 or run_trial is not trial:
         yield
         return
     from memfit.estimator.distributed_trace import rehearsal
 
-    with rehearsal(workload, shape):
+    with rehearsal(workload, shape, _heaviest_rank_at(workload, shape, device, limit)):
         yield
+
+
+def _heaviest_rank_at(workload: Workload, shape: Settings, device: Device, limit: int | None) -> int | None:
+    """The rank the traced estimate finds heaviest at micro-batch ``limit`` (None: unknown).
+
+    Why: under ZeRO-1 or FSDP2 with uneven shards the rank holding the most state is not
+    always the one that reserves the most (the allocator places small tensors differently).
+    """
+    if limit is None or limit < 1 or device.capacity is None:
+        return None
+    from memfit.estimator.estimate import estimate
+
+    one_step = shape.replace(micro_batch_size=None, accumulation_steps=1)
+    try:
+        return estimate(workload, limit, one_step, device=device, search=False, speed=False).rank
+    except Exception:  # noqa: BLE001 - only the choice of rank is lost; the trials follow
+        return None
 
 
 def plan(
@@ -583,7 +604,7 @@ def plan(
                 # step) stops the estimate, not the trials; a bug in the step shows up
                 # unchanged in the first trial.
                 estimate_error = _one_line(error)
-        with _rehearsing(wl, shape, run_trial):
+        with _rehearsing(wl, shape, run_trial, gpu, limit):
             for s in members:
                 c = results[s]
                 c.predicted_max_micro_batch = limit
