@@ -62,8 +62,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_ranks(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Start both ranks; wait for rank 0 alone (rank 1 may be frozen for good); kill what is left."""
+def start_two_ranks(
+    tmp_path: Path, fault: str, *, timeout: str | None = None, extra: tuple[str, ...] = ()
+) -> list[subprocess.Popen[str]]:
+    """Start both ranks of a probe of the faulty workload (``FAULT`` tells rank 1 what to do)."""
     (tmp_path / "faulty.py").write_text(WORKLOAD)
     port = free_port()
     processes = []
@@ -77,15 +79,22 @@ def run_two_ranks(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProce
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
             FAULT=fault,
-            MEMFIT_COLLECTIVE_TIMEOUT="3",
         )
+        if timeout is not None:
+            env["MEMFIT_COLLECTIVE_TIMEOUT"] = timeout
         argv = [sys.executable, "-m", "memfit", "probe", "faulty.py:make", "--device", "sim:64MiB"]
-        argv += ["--max-batch-size", "4", "--no-estimate", "--json"]
+        argv += ["--max-batch-size", "4", "--no-estimate", *extra]
         processes.append(
             subprocess.Popen(
                 argv, env=this_memfit(env), cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
             )
         )
+    return processes
+
+
+def run_two_ranks(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Start both ranks; wait for rank 0 alone (rank 1 may be frozen for good); kill what is left."""
+    processes = start_two_ranks(tmp_path, fault, timeout="3", extra=("--json",))
     started = time.monotonic()
     try:
         out, err = processes[0].communicate(timeout=LIMIT)
@@ -161,27 +170,7 @@ def test_a_bad_timeout_variable_under_torchrun_is_one_line_and_exit_2(tmp_path: 
 
 def test_sigterm_during_the_wait_ends_the_rank_like_ctrl_c(tmp_path: Path) -> None:
     """torchrun sends SIGTERM to every rank when one fails: that ends the command cleanly (143)."""
-    (tmp_path / "faulty.py").write_text(WORKLOAD)
-    port = free_port()
-    processes = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            FAULT="freeze",
-        )
-        argv = [sys.executable, "-m", "memfit", "probe", "faulty.py:make", "--device", "sim:64MiB"]
-        argv += ["--max-batch-size", "4", "--no-estimate"]
-        processes.append(
-            subprocess.Popen(
-                argv, env=this_memfit(env), cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-        )
+    processes = start_two_ranks(tmp_path, "freeze")
     try:
         cue = tmp_path / "rank-0-ran-a-batch"
         deadline = time.monotonic() + LIMIT
