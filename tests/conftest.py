@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -49,6 +49,20 @@ def run_cli(capsys: pytest.CaptureFixture[str]):
         return status, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for the test: small steps on a shared 2-core machine run many
+    times faster without a thread pool contending for the cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture

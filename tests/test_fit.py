@@ -114,13 +114,7 @@ TINY_SOURCE = textwrap.dedent(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine small steps run many times faster so."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small steps on 2 shared cores
 
 
 def small_fit(workload, tmp_path, **options):

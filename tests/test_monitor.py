@@ -21,15 +21,7 @@ from memfit.units import format_size
 MiB = 2**20
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core machine: more threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small steps on 2 shared cores
 
 
 def tiny_model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -19,13 +19,7 @@ from memfit.search.plan import MAX_TARGET_BATCH, advice, candidates, divisors, d
 MLP = "mlp:layers=4,width=64,features=32"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine the trials' small steps run faster so."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small steps on 2 shared cores
 
 
 @pytest.mark.parametrize(

@@ -399,15 +399,6 @@ def test_probe_starting_at_the_estimate_is_exact_in_at_most_three_trials(ref, sp
     assert len(from_estimate.trials) <= 3 < len(from_scratch.trials)
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine the CNN's trials run faster so."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_mnist_cnn_recommends_the_largest_verified_batch_within_the_headroom(one_thread):
     """Issue 14, item 2: recommended 5 on sim:128MiB, since only 1, 2 and 5 were tried for the
     headroom (memory is flat at small batches: weights, Adadelta state, 20 MiB segments).
