@@ -407,12 +407,22 @@ SpeedPredictor = Callable[[Workload, Settings, GPU], "tuple[float, float]"]
 def estimated_max_micro_batch(workload: Workload, settings: Settings, device: Device, limit: int) -> int | None:
     """The estimator's largest micro-batch up to ``limit`` for these settings on this
     device (None: the device's memory is unknown)."""
+    return _estimated_limit(workload, settings, device, limit)[0]
+
+
+def _estimated_limit(
+    workload: Workload, settings: Settings, device: Device, limit: int
+) -> tuple[int | None, int | None]:
+    """:func:`estimated_max_micro_batch`, and the rank its trace found heaviest at that
+    micro-batch (None for one rank, or when nothing fits)."""
     if device.capacity is None:
-        return None
+        return None, None
     from memfit.estimator.estimate import estimate
 
     probe_settings = settings.replace(micro_batch_size=None, accumulation_steps=1)
-    return estimate(workload, None, probe_settings, device=device, search_limit=limit, speed=False).max_batch_size
+    found = estimate(workload, None, probe_settings, device=device, search_limit=limit, speed=False)
+    heaviest = found.rank if found.world_size > 1 and found.max_batch_size else None
+    return found.max_batch_size, heaviest
 
 
 def predicted_speed(workload: Workload, settings: Settings, card: GPU) -> tuple[float, float]:
@@ -443,17 +453,25 @@ def _group(s: Settings) -> tuple[Precision, Checkpointing, Strategy]:
 
 @contextmanager
 def _rehearsing(
-    workload: Workload, shape: Settings, run_trial: Trial, device: Device, limit: int | None
+    workload: Workload,
+    shape: Settings,
+    run_trial: Trial,
+    device: Device,
+    limit: int | None,
+    heaviest: int | None = None,
 ) -> Iterator[None]:
     """For several ranks, the default trials run inside a rehearsal of the heaviest rank:
-    the one the estimate's trace (every distinct rank) finds peaking highest at the group's
-    largest micro-batch, else the one holding the most parameter bytes."""
+    ``heaviest`` when the group's estimate gave it, else the one the estimate's trace (every
+    distinct rank) finds peaking highest at the group's largest micro-batch, else the one
+    holding the most parameter bytes."""
     if shape.world_size <= 1 or run_trial is not trial:
         yield
         return
     from memfit.estimator.distributed_trace import rehearsal
 
-    with rehearsal(workload, shape, _heaviest_rank_at(workload, shape, device, limit)):
+    if heaviest is None:
+        heaviest = _heaviest_rank_at(workload, shape, device, limit)
+    with rehearsal(workload, shape, heaviest):
         yield
 
 
@@ -595,16 +613,20 @@ def plan(
         shape = Settings(
             precision=precision, checkpointing=ckpt, world_size=world_size, shard=shard, shard_group_size=group_size
         )
-        limit = None
+        limit = heaviest = None
         if predictor is not None and estimate_error is None:
             try:
-                limit = predictor(wl, shape, gpu, per_rank)
+                if predictor is estimated_max_micro_batch:
+                    # the same trace says which rank peaks highest there (several ranks)
+                    limit, heaviest = _estimated_limit(wl, shape, gpu, per_rank)
+                else:
+                    limit = predictor(wl, shape, gpu, per_rank)
             except Exception as error:  # noqa: BLE001 - the estimate only prunes; trials decide
                 # Why go on: an operation fake tensors cannot run (a value read in the
                 # step) stops the estimate, not the trials; a bug in the step shows up
                 # unchanged in the first trial.
                 estimate_error = _one_line(error)
-        with _rehearsing(wl, shape, run_trial, gpu, limit):
+        with _rehearsing(wl, shape, run_trial, gpu, limit, heaviest):
             for s in members:
                 c = results[s]
                 c.predicted_max_micro_batch = limit
