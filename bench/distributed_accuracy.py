@@ -435,5 +435,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.quick)
+        # End without finalizing Python: DDP and ZeRO keep the gloo group alive past
+        # destroy_process_group, and its worker thread can still be releasing the last
+        # collective's tensors then (SIGABRT, pytorch#190489).
+        sys.stdout.flush()
+        os._exit(0)
     else:
         main(args.quick)
