@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -107,3 +108,23 @@ def _run_ranks(script: str, arguments: Callable[[int], Sequence[str]], world: in
         pytest.fail(f"the ranks did not finish within {deadline_s} s: a rank is blocked in a collective")
     assert [p.returncode for p in processes] == [0] * world, "\n".join(outputs)
     return outputs
+
+
+@pytest.fixture
+def torchrun_env() -> Callable[..., list[dict[str, str]]]:
+    """``torchrun_env(world, **extra)``: the environment of each of ``world`` ranks as torchrun
+    would set it (one free local port for the rendezvous), plus ``extra``."""
+
+    def environments(world: int, **extra: str) -> list[dict[str, str]]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        common = {
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        return [{**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank), **extra} for rank in range(world)]
+
+    return environments

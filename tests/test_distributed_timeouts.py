@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,32 +56,14 @@ def this_memfit(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join([source, env.get("PYTHONPATH", "")])}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_two_ranks(
-    tmp_path: Path, fault: str, *, timeout: str | None = None, extra: tuple[str, ...] = ()
+    tmp_path: Path, torchrun_env: Any, fault: str, *, timeout: str | None = None, extra: tuple[str, ...] = ()
 ) -> list[subprocess.Popen[str]]:
     """Start both ranks of a probe of the faulty workload (``FAULT`` tells rank 1 what to do)."""
     (tmp_path / "faulty.py").write_text(WORKLOAD)
-    port = free_port()
     processes = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            FAULT=fault,
-        )
-        if timeout is not None:
-            env["MEMFIT_COLLECTIVE_TIMEOUT"] = timeout
+    variables = {"FAULT": fault} if timeout is None else {"FAULT": fault, "MEMFIT_COLLECTIVE_TIMEOUT": timeout}
+    for env in torchrun_env(2, **variables):
         argv = [sys.executable, "-m", "memfit", "probe", "faulty.py:make", "--device", "sim:64MiB"]
         argv += ["--max-batch-size", "4", "--no-estimate", *extra]
         processes.append(
@@ -92,9 +74,9 @@ def start_two_ranks(
     return processes
 
 
-def run_two_ranks(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess[str], float]:
+def run_two_ranks(tmp_path: Path, torchrun_env: Any, fault: str) -> tuple[subprocess.CompletedProcess[str], float]:
     """Start both ranks; wait for rank 0 alone (rank 1 may be frozen for good); kill what is left."""
-    processes = start_two_ranks(tmp_path, fault, timeout="3", extra=("--json",))
+    processes = start_two_ranks(tmp_path, torchrun_env, fault, timeout="3", extra=("--json",))
     started = time.monotonic()
     try:
         out, err = processes[0].communicate(timeout=LIMIT)
@@ -108,8 +90,8 @@ def run_two_ranks(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProce
     return subprocess.CompletedProcess(processes[0].args, processes[0].returncode, out, err), time.monotonic() - started
 
 
-def test_a_frozen_rank_ends_the_other_within_the_timeout_with_one_line(tmp_path: Path) -> None:
-    done, _seconds = run_two_ranks(tmp_path, "freeze")
+def test_a_frozen_rank_ends_the_other_within_the_timeout_with_one_line(tmp_path: Path, torchrun_env: Any) -> None:
+    done, _seconds = run_two_ranks(tmp_path, torchrun_env, "freeze")
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
@@ -118,8 +100,8 @@ def test_a_frozen_rank_ends_the_other_within_the_timeout_with_one_line(tmp_path:
     assert "MEMFIT_COLLECTIVE_TIMEOUT" in lines[0]
 
 
-def test_a_killed_rank_ends_the_other_with_one_line_not_glooss_traceback(tmp_path: Path) -> None:
-    done, _seconds = run_two_ranks(tmp_path, "kill")
+def test_a_killed_rank_ends_the_other_with_one_line_not_glooss_traceback(tmp_path: Path, torchrun_env: Any) -> None:
+    done, _seconds = run_two_ranks(tmp_path, torchrun_env, "kill")
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
@@ -144,16 +126,8 @@ def test_a_bad_timeout_variable_is_one_line(monkeypatch: pytest.MonkeyPatch, val
         distributed.collective_timeout()
 
 
-def test_a_bad_timeout_variable_under_torchrun_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    env = dict(
-        os.environ,
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        MEMFIT_COLLECTIVE_TIMEOUT="soon",
-    )
+def test_a_bad_timeout_variable_under_torchrun_is_one_line_and_exit_2(tmp_path: Path, torchrun_env: Any) -> None:
+    env = torchrun_env(2, MEMFIT_COLLECTIVE_TIMEOUT="soon")[0]  # rank 0 alone: it must stop before waiting
     done = subprocess.run(
         [sys.executable, "-m", "memfit", "probe", "mlp:layers=1,width=8,features=8", "--device", "sim:8MiB"],
         env=this_memfit(env),
@@ -168,9 +142,9 @@ def test_a_bad_timeout_variable_under_torchrun_is_one_line_and_exit_2(tmp_path: 
     ]
 
 
-def test_sigterm_during_the_wait_ends_the_rank_like_ctrl_c(tmp_path: Path) -> None:
+def test_sigterm_during_the_wait_ends_the_rank_like_ctrl_c(tmp_path: Path, torchrun_env: Any) -> None:
     """torchrun sends SIGTERM to every rank when one fails: that ends the command cleanly (143)."""
-    processes = start_two_ranks(tmp_path, "freeze")
+    processes = start_two_ranks(tmp_path, torchrun_env, "freeze")
     try:
         cue = tmp_path / "rank-0-ran-a-batch"
         deadline = time.monotonic() + LIMIT

@@ -7,11 +7,10 @@ left waiting in a collective fails the test instead of hanging it.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,31 +40,14 @@ os._exit(0)  # without finalizing Python: see conftest.py's run_ranks
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(argv_for_rank, tmp_path: Path) -> list[subprocess.CompletedProcess[str]]:
+def launch(argv_for_rank, tmp_path: Path, torchrun_env) -> list[subprocess.CompletedProcess[str]]:
     """Run two ranks; kill both and fail if they do not finish within TIMEOUT seconds."""
-    port = free_port()
-    processes = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
+    processes = [
+        subprocess.Popen(
+            argv_for_rank(rank), env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
-        processes.append(
-            subprocess.Popen(
-                argv_for_rank(rank), env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-        )
+        for rank, env in enumerate(torchrun_env(2))
+    ]
     results = []
     try:
         for process in processes:
@@ -81,32 +63,32 @@ def launch(argv_for_rank, tmp_path: Path) -> list[subprocess.CompletedProcess[st
     return results
 
 
-def run_workers(ref: str, specs: list[str], tmp_path: Path) -> list[dict]:
+def run_workers(ref: str, specs: list[str], tmp_path: Path, torchrun_env: Any) -> list[dict]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "result"
-    done = launch(lambda rank: [sys.executable, str(script), ref, ",".join(specs), str(out)], tmp_path)
+    done = launch(lambda rank: [sys.executable, str(script), ref, ",".join(specs), str(out)], tmp_path, torchrun_env)
     for process in done:
         assert process.returncode == 0, process.stderr[-2000:]
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 
-def test_ranks_with_different_memory_agree_on_the_minimum(tmp_path: Path) -> None:
-    results = run_workers(CONVNET, ["sim:6MiB", "sim:4MiB"], tmp_path)
+def test_ranks_with_different_memory_agree_on_the_minimum(tmp_path: Path, torchrun_env: Any) -> None:
+    results = run_workers(CONVNET, ["sim:6MiB", "sim:4MiB"], tmp_path, torchrun_env)
     assert [r["local"] for r in results] == [21, 14]
     assert [r["max"] for r in results] == [14, 14]
     assert [r["world"] for r in results] == [2, 2]
     assert results[0]["recommended"] == results[1]["recommended"] <= 14
 
 
-def test_one_rank_that_does_not_fit_makes_every_rank_raise(tmp_path: Path) -> None:
-    results = run_workers(CONVNET, ["sim:4MiB", "sim:1MiB"], tmp_path)
+def test_one_rank_that_does_not_fit_makes_every_rank_raise(tmp_path: Path, torchrun_env: Any) -> None:
+    results = run_workers(CONVNET, ["sim:4MiB", "sim:1MiB"], tmp_path, torchrun_env)
     assert [r.get("error") for r in results] == ["DoesNotFitError", "DoesNotFitError"]
     assert "another rank" in results[0]["message"]
     assert "does not fit even at batch size 1" in results[1]["message"]
 
 
-def test_cli_under_two_processes_prints_on_rank_0_only(tmp_path: Path) -> None:
+def test_cli_under_two_processes_prints_on_rank_0_only(tmp_path: Path, torchrun_env: Any) -> None:
     specs = ["sim:4MiB", "sim:6MiB"]
     done = launch(
         lambda rank: [
@@ -122,6 +104,7 @@ def test_cli_under_two_processes_prints_on_rank_0_only(tmp_path: Path) -> None:
             "--json",
         ],
         tmp_path,
+        torchrun_env,
     )
     assert [p.returncode for p in done] == [0, 0], done[1].stderr[-2000:]
     assert json.loads(done[0].stdout)["max_batch_size"] == 14
