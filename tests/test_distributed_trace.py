@@ -25,8 +25,9 @@ from torch import nn
 import memfit
 from memfit.cli import main
 from memfit.errors import MemfitError
-from memfit.estimator.distributed_trace import candidate_ranks, heaviest_rank, rehearsal, trace
+from memfit.estimator.distributed_trace import candidate_ranks, heaviest_rank, trace
 from memfit.estimator.estimate import estimate
+from memfit.estimator.rehearsal import rehearsal
 from memfit.memory.devices import SimDevice, device
 from memfit.memory.tracker import StorageTracker
 from memfit.run.parallel import describe, fake_process_group

@@ -50,6 +50,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import pickle
@@ -57,7 +58,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch.distributed as dist
@@ -65,7 +65,7 @@ import torch.distributed as dist
 from memfit._io import write_atomically
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
-from memfit.estimator.fake import FakeRun, run_fake_steps
+from memfit.estimator.fake import FakeRun, FakeSteps, Runner
 from memfit.memory.tracker import labelled
 from memfit.run.parallel import COMMUNICATION, UNSHARDED, fake_process_group
 from memfit.run.settings import Settings
@@ -74,12 +74,9 @@ from memfit.workload import Workload, load_workload
 __all__ = [
     "trace",
     "tracing",
-    "Runner",
     "heaviest_rank",
     "candidate_ranks",
-    "RankRun",
     "unavailable_reason",
-    "rehearsal",
     "run_in_child",
     "TraceUnavailable",
 ]
@@ -203,41 +200,6 @@ def lazy_fsdp_chunks() -> Iterator[None]:
         _fsdp_param._chunk_with_empty = original
 
 
-@contextlib.contextmanager
-def rehearsal(workload: Workload, settings: Settings, rank: int | None = None) -> Iterator[int]:
-    """Play one rank of ``settings.world_size`` on a fake process group with real tensors.
-
-    Yields the rank played: ``rank``, or by default the one holding the most parameter
-    bytes (:func:`heaviest_rank`; under ZeRO-1 and FSDP2 with uneven shards not always the
-    one peaking highest: probe passes the rank the traced estimate found heaviest). Probe and
-    plan run their trials inside: the model is wrapped by the strategy as on N GPUs, the
-    device holds what that rank would hold (exactly: the same components, the same
-    allocations), and a step's time is its computation without communication. With
-    ``world_size=1`` nothing is made and rank 0 is yielded.
-
-    Raises:
-        MemfitError: the strategy cannot run here, or this process is already in a
-            process group (rehearse without torchrun).
-    """
-    if settings.world_size <= 1:
-        yield 0
-        return
-    reason = unavailable_reason(settings)
-    if reason is not None:
-        raise MemfitError(f"cannot rehearse {settings.world_size} ranks here: {reason}")
-    if dist.is_initialized():
-        raise MemfitError(
-            f"world size {settings.world_size} is rehearsed as one rank of a fake process group in one "
-            "process; this one is already in a process group: run it without torchrun"
-        )
-    if rank is None:
-        rank = heaviest_rank(workload, settings)
-    elif not 0 <= rank < settings.world_size:
-        raise MemfitError(f"invalid rank {rank} to rehearse: world size {settings.world_size}")
-    with fake_process_group(settings.world_size, rank):
-        yield rank
-
-
 def heaviest_rank(workload: Workload, settings: Settings) -> int:
     """The rank holding the most parameter bytes: under ZeRO-1 the one with the most
     optimizer state, under FSDP2 rank 0 (``torch.chunk`` gives the first ranks the larger
@@ -323,14 +285,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-@dataclass
-class RankRun(FakeRun):
-    """A :class:`FakeRun` of the rank it names: the heaviest of the ranks traced."""
-
-    rank: int = 0
-
-
-def _heaviest(runs: list[RankRun]) -> RankRun:
+def _heaviest(runs: list[FakeRun]) -> FakeRun:
     """The run that does not fit, or else the highest peak reserved (then allocated), the
     earlier candidate on a tie."""
     for run in runs:
@@ -339,13 +294,25 @@ def _heaviest(runs: list[RankRun]) -> RankRun:
     return max(runs, key=lambda r: (r.peak_reserved, r.peak_allocated))
 
 
-def _of_rank(run: FakeRun, rank: int) -> RankRun:
-    return RankRun(**{f.name: getattr(run, f.name) for f in fields(run)}, rank=rank)
+class _RankTracer:
+    """The :data:`~memfit.estimator.fake.Runner` of :func:`tracing`: each candidate rank's
+    fake steps, in its own fake process group unless one group is held for the only one."""
 
+    def __init__(self, steps: FakeSteps, world_size: int, ranks: list[int], group_held: bool) -> None:
+        self._steps, self._world, self._ranks, self._group_held = steps, world_size, ranks, group_held
 
-#: runs the fake steps of one settings (its micro-batch) within a budget, counting the
-#: last step's operations when asked (for the predicted step time)
-Runner = Callable[[Settings, "int | None", bool], FakeRun]
+    def __call__(self, settings: Settings, budget: int | None = None, count_ops: bool = False) -> FakeRun:
+        heaviest: FakeRun | None = None
+        for candidate in self._ranks:
+            group = contextlib.nullcontext() if self._group_held else _fake_group(self._world, candidate)
+            with group:
+                one = dataclasses.replace(self._steps(settings, budget, count_ops), rank=candidate)
+            # only the heaviest so far is kept: each run holds every event of its steps
+            heaviest = one if heaviest is None else _heaviest([heaviest, one])
+            if not one.fits:
+                break
+        assert heaviest is not None
+        return heaviest
 
 
 @contextlib.contextmanager
@@ -357,71 +324,39 @@ def tracing(
     steps: int = 2,
     foreach: bool = False,
     cuda: CudaTarget | None = None,
-) -> Iterator[tuple[Runner, int]]:
-    """Hold rank ``rank`` of a fake process group of ``settings.world_size`` for several traces.
+) -> Iterator[Runner]:
+    """Hold one rank of a fake process group of ``settings.world_size`` (> 1) for several traces.
 
-    Yields ``(run, rank)``: ``run(settings, budget, count_ops)`` traces ``steps`` optimizer
-    steps at ``settings``' micro-batch, following ``cuda``'s semantics (see
-    :func:`memfit.estimator.fake.run_fake_steps`), and returns a :class:`RankRun` naming the
-    rank it is for. With ``rank`` given, that rank is traced; by default every rank of
-    :func:`candidate_ranks` is (one under DDP), each in its own fake process group, and
-    the run returned is the heaviest (or the first that does not fit within ``budget``:
-    the others need not run). ``rank`` yielded is the rank given or the first candidate. Why one group for several traces: the batch-size search traces the same
-    strategy at several batch sizes, and DTensor's sharding decisions, cached per device
-    mesh, then carry over from one trace to the next (with one candidate, as FSDP2 has
-    where every shard has the same shape).
+    Yields a runner: ``run(settings, budget, count_ops)`` traces ``steps`` optimizer steps
+    at ``settings``' micro-batch, following ``cuda``'s semantics (see
+    :func:`memfit.estimator.fake.run_fake_steps`), and returns a
+    :class:`~memfit.estimator.fake.FakeRun` naming the rank it is for. With ``rank`` given,
+    that rank is traced; by default every rank of :func:`candidate_ranks` is (one under
+    DDP), each in its own fake process group, and the run returned is the heaviest (or the
+    first that does not fit within ``budget``: the others need not run). Why one group for
+    several traces: the batch-size search traces the same strategy at several batch sizes,
+    and DTensor's sharding decisions, cached per device mesh, then carry over from one
+    trace to the next (with one candidate, as FSDP2 has where every shard has the same
+    shape).
 
     Raises:
         TraceUnavailable: tracing cannot run here (see :func:`unavailable_reason`), or
             this process is already in a process group.
     """
+    if settings.world_size <= 1:
+        raise ValueError("tracing is for several ranks: one GPU's steps are memfit.estimator.fake.FakeSteps")
     reason = unavailable_reason(settings)
     if reason is not None:
         raise TraceUnavailable(reason)
-    if settings.world_size <= 1:
-
-        def single(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
-            return run_fake_steps(
-                workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
-            )
-
-        yield single, 0
-        return
     world = settings.world_size
     ranks = candidate_ranks(workload, settings) if rank is None else [rank]
-    if len(ranks) == 1:
-        with _fake_group(world, ranks[0]), fsdp_labels(), lazy_fsdp_chunks():
-
-            def run(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
-                return _of_rank(
-                    run_fake_steps(
-                        workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
-                    ),
-                    ranks[0],
-                )
-
-            yield run, ranks[0]
-        return
-
-    def every_candidate(chosen: Settings, budget: int | None, count_ops: bool = False) -> FakeRun:
-        heaviest: RankRun | None = None
-        for candidate in ranks:
-            with _fake_group(world, candidate):
-                one = _of_rank(
-                    run_fake_steps(
-                        workload, chosen, steps=steps, foreach=foreach, budget=budget, cuda=cuda, count_ops=count_ops
-                    ),
-                    candidate,
-                )
-            # only the heaviest so far is kept: each run holds every event of its steps
-            heaviest = one if heaviest is None else _heaviest([heaviest, one])
-            if not one.fits:
-                break
-        assert heaviest is not None
-        return heaviest
-
-    with fsdp_labels(), lazy_fsdp_chunks():
-        yield every_candidate, ranks[0]
+    runner = _RankTracer(FakeSteps(workload, steps, foreach, cuda), world, ranks, group_held=len(ranks) == 1)
+    with contextlib.ExitStack() as held:
+        if len(ranks) == 1:
+            held.enter_context(_fake_group(world, ranks[0]))
+        held.enter_context(fsdp_labels())
+        held.enter_context(lazy_fsdp_chunks())
+        yield runner
 
 
 def trace(
@@ -438,19 +373,21 @@ def trace(
 
     The same as :func:`memfit.estimator.fake.run_fake_steps` (whose arguments these are),
     on a fake process group, as rank ``rank`` (default: the heaviest of
-    :func:`candidate_ranks`; the result is a :class:`RankRun` naming it); with
-    ``world_size=1`` it is that function. In a process already in a process group, the
-    trace runs in a child process. ``cuda`` matters for a comparison: a simulated GPU
-    (``sim:SIZE``) follows ``CudaTarget()``'s semantics, and a trace without ``cuda``
-    counts what the CPU's kernels keep (attention, autocast casts), not CUDA's.
+    :func:`candidate_ranks`; the result's ``rank`` names it); with ``world_size=1`` it is
+    that function. In a process already in a process group, the trace runs in a child
+    process. ``cuda`` matters for a comparison: a simulated GPU (``sim:SIZE``) follows
+    ``CudaTarget()``'s semantics, and a trace without ``cuda`` counts what the CPU's
+    kernels keep (attention, autocast casts), not CUDA's.
 
     Raises:
         TraceUnavailable: tracing cannot run here (no torch.distributed, or a workload
             the child process cannot load).
     """
-    if settings.world_size > 1 and dist.is_initialized():
+    if settings.world_size <= 1:
+        return FakeSteps(workload, steps, foreach, cuda)(settings, budget, False)
+    if dist.is_initialized():
         return _trace_in_child(workload, settings, rank=rank, steps=steps, foreach=foreach, budget=budget, cuda=cuda)
-    with tracing(workload, settings, rank=rank, steps=steps, foreach=foreach, cuda=cuda) as (run, _):
+    with tracing(workload, settings, rank=rank, steps=steps, foreach=foreach, cuda=cuda) as run:
         return run(settings, budget, False)
 
 
@@ -483,13 +420,17 @@ def _trace_in_child(
     return run
 
 
+#: why a process in a process group cannot trace a model instance (or a Workload made in code)
+CHILD_CANNOT_LOAD = (
+    "this process is in a process group and the workload is a model instance or made in "
+    "code, which a separate process cannot load"
+)
+
+
 def child_reference(workload: Workload) -> str:
     """The reference a child process loads ``workload`` by; refused for a model instance."""
     if not workload.builds_fresh_models or workload.reference is None:
-        raise TraceUnavailable(
-            "this process is in a process group and the workload is a model instance or made in "
-            "code, which a separate process cannot load"
-        )
+        raise TraceUnavailable(CHILD_CANNOT_LOAD)
     return workload.reference
 
 

@@ -45,10 +45,12 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,16 +64,15 @@ from memfit.errors import MemfitError
 from memfit.estimator import sharding
 from memfit.estimator.breakdown import CATEGORIES, ROLES, Peak, analyze
 from memfit.estimator.distributed_trace import (
-    Runner,
+    CHILD_CANNOT_LOAD,
     TraceUnavailable,
-    child_reference,
     load_in_child,
     run_in_child,
     serve_child,
     tracing,
     unavailable_reason,
 )
-from memfit.estimator.fake import FakeRun, run_fake_steps
+from memfit.estimator.fake import FakeSteps, Runner
 from memfit.estimator.speed import speed_gpu, step_time
 from memfit.estimator.timing import OpTrace, StepTime
 from memfit.memory.allocator import CachingAllocatorModel
@@ -83,7 +84,7 @@ from memfit.run.strategy import Shard, check_strategy, describe
 from memfit.units import format_size, parse_size
 from memfit.workload import Workload, load_workload
 
-__all__ = ["estimate", "Estimate", "Target", "resolve_target", "largest_fitting", "apply_sharding"]
+__all__ = ["estimate", "Estimate", "Target", "resolve_target", "largest_fitting", "apply_sharding", "Figures", "Way"]
 
 #: the largest batch the search tries (a guard against a workload whose memory does not grow)
 MAX_SEARCH = 1 << 20
@@ -241,8 +242,8 @@ def largest_fitting(
     return answer(space, run_search(space, trial))
 
 
-def apply_sharding(peak: Peak, world_size: int, shard: str) -> tuple[dict[str, int], int, int]:
-    """Per-rank (categories, peak allocated, peak reserved) from a one-GPU peak.
+def apply_sharding(peak: Peak, world_size: int, shard: str) -> Figures:
+    """Per-rank figures (categories, peak allocated, peak reserved) from a one-GPU peak.
 
     The states are divided as :func:`memfit.estimator.sharding.shard_states` says; DDP buckets are
     allocated through a fresh allocator model and added; the one-GPU allocator overhead
@@ -262,7 +263,7 @@ def apply_sharding(peak: Peak, world_size: int, shard: str) -> tuple[dict[str, i
         categories["ddp buckets"] = bucket_allocated
     allocated = sum(categories.values())
     reserved = allocated + (peak.peak_reserved - peak.peak_allocated) + (bucket_reserved - bucket_allocated)
-    return categories, allocated, reserved
+    return Figures(categories, allocated, reserved)
 
 
 class _Prediction:
@@ -305,15 +306,76 @@ class _Prediction:
         return self._peak
 
     @property
-    def rank(self) -> int | None:
-        """The rank whose run this is (the heaviest traced), None on one GPU."""
+    def rank(self) -> int:
+        """The rank whose run this is (the heaviest traced; 0 on one GPU)."""
         self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
-        rank: int | None = getattr(self._run, "rank", None)
-        return rank
+        return self._run.rank
 
 
-#: how the per-rank figures were found
-Method = Literal["single GPU", "traced", "formulas"]
+class Way(enum.Enum):
+    """How an estimate's step is traced: decided once, at the estimator's entry
+    (:func:`_decide`); each way then runs one way down. The value is ``Estimate.method``."""
+
+    #: one GPU: the fake steps (:class:`~memfit.estimator.fake.FakeSteps`)
+    ONE_GPU = "single GPU"
+    #: one rank of N on a fake process group (:func:`~memfit.estimator.distributed_trace.tracing`)
+    RANKS = "traced"
+    #: one GPU's steps, its states divided as :mod:`memfit.estimator.sharding` says
+    FORMULAS = "formulas"
+    #: this process is in a real process group: a separate process estimates (and decides again)
+    IN_CHILD = "in a separate process"
+
+
+class _Decision(NamedTuple):
+    way: Way
+    #: why the figures come from formulas (FORMULAS only)
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class _Options:
+    """What to search and show, apart from what runs."""
+
+    batch_size: int | None
+    search: bool
+    search_limit: int | None
+    speed: bool
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One estimate, checked: what runs (workload, settings, target) and what to show."""
+
+    workload: Workload
+    settings: Settings
+    target: Target
+    options: _Options
+
+
+class Figures(NamedTuple):
+    """One rank's memory: bytes by category, and the peaks allocated and reserved."""
+
+    categories: dict[str, int]
+    allocated: int
+    reserved: int
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """Everything an :class:`Estimate` reports, as each way found it."""
+
+    workload: str
+    batch_size: int
+    settings: Settings
+    target: Target
+    figures: Figures
+    top_modules: list[tuple[str, int]]
+    fits: bool | None
+    max_batch_size: int | None
+    way: Way
+    rank: int = 0
+    note: str = ""
+    step: StepTime | None = None
 
 
 def estimate(
@@ -373,28 +435,10 @@ def estimate(
     if batch_size is not None and batch_size < 1:
         raise MemfitError(f"invalid batch size {batch_size}: must be at least 1")
     target = resolve_target(gpu, memory, device, fixed_costs, cuda_version)
-    if search is None:
-        search = batch_size is None
     if settings.precision == "bf16" and not target.bf16:
         raise MemfitError(f"{target.name} does not support bf16: use --precision fp16 or fp32")
-    if settings.world_size > 1 and dist.is_available() and dist.is_initialized():
-        # This process is in a real process group (torchrun, Lightning): the fake one is
-        # made in a separate process, which loads the workload again by reference.
-        try:
-            request: dict[str, Any] = {
-                "workload": child_reference(wl),
-                "batch_size": batch_size,
-                "settings": settings.to_dict(),
-                "target": target,
-                "search": search,
-                "search_limit": search_limit,
-                "speed": speed,
-            }
-            answer: dict[str, Any] = run_in_child("memfit.estimator.estimate", request, "the estimate")
-            return Estimate(**answer)
-        except TraceUnavailable as why:
-            return _estimate(wl, batch_size, settings, target, search, search_limit, speed, fallback=str(why))
-    return _estimate(wl, batch_size, settings, target, search, search_limit, speed)
+    options = _Options(batch_size, batch_size is None if search is None else search, search_limit, speed)
+    return _estimate(_Request(wl, settings, target, options))
 
 
 def _with_strategy(settings: Settings, world_size: int | None, shard: Shard | None, group_size: int | None) -> Settings:
@@ -413,104 +457,110 @@ def _with_strategy(settings: Settings, world_size: int | None, shard: Shard | No
     return settings.replace(**changes)
 
 
-def _estimate(
-    wl: Workload,
-    batch_size: int | None,
-    settings: Settings,
-    target: Target,
-    search: bool,
-    search_limit: int | None,
-    speed: bool,
-    fallback: str | None = None,
-) -> Estimate:
-    """The estimate in this process: traced (or on one GPU), or by formulas when ``fallback`` says why."""
-    world = settings.world_size
-    reason = fallback or unavailable_reason(settings)
-    if world > 1 and reason is None:
+def _estimate(request: _Request) -> Estimate:
+    """The one decision (how the step is traced), then that way down."""
+    decision = _decide(request)
+    if decision.way is Way.IN_CHILD:
         try:
-            with tracing(wl, settings, foreach=target.cuda, cuda=target.semantics) as (run, rank):
-                return _search_and_show(wl, batch_size, settings, target, search, search_limit, speed, run, rank)
-        except TraceUnavailable as why:
-            reason = str(why)
-    if world > 1:
-        return _by_formulas(wl, batch_size, settings, target, search, search_limit, str(reason))
-    with tracing(wl, settings, foreach=target.cuda, cuda=target.semantics) as (run, _):
-        return _search_and_show(wl, batch_size, settings, target, search, search_limit, speed, run, 0)
+            return _in_child(request)
+        except TraceUnavailable as why:  # the child could not load the workload, or trace
+            decision = _Decision(Way.FORMULAS, str(why))
+    if decision.way is Way.FORMULAS:
+        return _by_formulas(request, decision.reason)
+    return _traced(request, decision.way)
 
 
-def _search_and_show(
-    wl: Workload,
-    batch_size: int | None,
-    settings: Settings,
-    target: Target,
-    search: bool,
-    search_limit: int | None,
-    speed: bool,
-    run: Runner,
-    rank: int,
-) -> Estimate:
-    """Fake runs at growing batch sizes within the (per-rank) budget, then the breakdown."""
+def _decide(request: _Request) -> _Decision:
+    """How this process traces the step: one GPU, one rank of N here, in a separate
+    process (this one is in a real process group: torchrun, Lightning), or formulas."""
+    settings, wl = request.settings, request.workload
+    if settings.world_size <= 1:
+        return _Decision(Way.ONE_GPU)
+    reason = unavailable_reason(settings)
+    if reason is not None:
+        return _Decision(Way.FORMULAS, reason)
+    if not dist.is_initialized():
+        return _Decision(Way.RANKS)
+    # The fake process group is the process's default group: a process already in a
+    # real one asks a separate process, which loads the workload again by reference.
+    if not wl.builds_fresh_models or wl.reference is None:
+        return _Decision(Way.FORMULAS, CHILD_CANNOT_LOAD)
+    return _Decision(Way.IN_CHILD)
+
+
+def _in_child(request: _Request) -> Estimate:
+    """The estimate made by a separate process (no process group), which decides again."""
+    child = {
+        "workload": request.workload.reference,
+        "settings": request.settings.to_dict(),
+        "target": request.target,
+        "options": request.options,
+    }
+    answer: dict[str, Any] = run_in_child("memfit.estimator.estimate", child, "the estimate")
+    return Estimate(**answer)
+
+
+def _traced(request: _Request, way: Way) -> Estimate:
+    """Fake runs at growing batch sizes within the (per-rank) budget, then the breakdown:
+    one GPU's steps, or the heaviest rank's of N on a fake process group."""
+    wl, settings, target, options = request.workload, request.settings, request.target, request.options
     cache: dict[int, _Prediction] = {}
-    single = settings.world_size <= 1
-
-    def predict(b: int) -> _Prediction:
-        if b not in cache:
-            # Counting the operations costs a few per cent of a fake run: only where the
-            # predicted time may be needed (the given batch, or every batch of a search).
-            count = single and speed and target.speed is not None and target.cuda and batch_size in (None, b)
-            cache[b] = _Prediction(run, settings.replace(micro_batch_size=b), target, target.budget, count)
-        return cache[b]
-
-    def outcome(b: int) -> Outcome:
-        prediction = predict(b)
-        return Outcome(b, prediction.fits, prediction.peak_reserved if prediction.fits else 0)
-
-    max_batch = _search(outcome, target, target.budget, batch_size, search, search_limit)
-    chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
-    prediction = predict(chosen)
-    peak = prediction.peak
-    # under ZeRO-1 the heaviest rank can change with the batch size: the one of the batch shown
-    shown_rank = prediction.rank
-    rank = rank if shown_rank is None else shown_rank
-    step = (
-        _predicted_time(wl, settings.replace(micro_batch_size=chosen), target, prediction, settings.world_size)
-        if speed
-        else None
+    # Counting the operations costs a few per cent of a fake run: only where the predicted
+    # time may be needed (the given batch, or every batch of a search).
+    card = _speed_card(target, settings) if options.speed else None
+    count = card is not None and target.cuda
+    one_gpu = FakeSteps(wl, foreach=target.cuda, cuda=target.semantics)
+    runner = (
+        tracing(wl, settings, foreach=target.cuda, cuda=target.semantics)
+        if way is Way.RANKS
+        else contextlib.nullcontext(one_gpu)
     )
+    with runner as run:
+
+        def predict(b: int) -> _Prediction:
+            if b not in cache:
+                counted = count and options.batch_size in (None, b)
+                cache[b] = _Prediction(run, settings.replace(micro_batch_size=b), target, target.budget, counted)
+            return cache[b]
+
+        def outcome(b: int) -> Outcome:
+            prediction = predict(b)
+            return Outcome(b, prediction.fits, prediction.peak_reserved if prediction.fits else 0)
+
+        max_batch = _search(outcome, target, target.budget, options)
+        chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
+        prediction = predict(chosen)
+        peak, ops = prediction.peak, prediction.ops if count else None
+    step = None
+    if card is not None:
+        # The fake steps of a simulated GPU run the CPU's optimizer loop (its own
+        # accounting); the time is for the card, so step_time records them again in
+        # CUDA's foreach form.
+        step = step_time(wl, settings.replace(micro_batch_size=chosen), card, trace=ops)
     return _result(
-        wl,
-        chosen,
-        settings,
-        target,
-        dict(peak.categories),
-        peak.peak_allocated,
-        peak.peak_reserved,
-        peak,
-        prediction.fits if target.memory is not None else None,
-        max_batch,
-        step=step,
-        method="traced" if not single else "single GPU",
-        rank=rank,
+        _Shown(
+            workload=wl.name,
+            batch_size=chosen,
+            settings=settings,
+            target=target,
+            figures=Figures(dict(peak.categories), peak.peak_allocated, peak.peak_reserved),
+            top_modules=peak.top_modules,
+            fits=prediction.fits if target.memory is not None else None,
+            max_batch_size=max_batch,
+            way=way,
+            # under ZeRO-1 the heaviest rank can change with the batch size: the one of the batch shown
+            rank=prediction.rank,
+            step=step,
+        )
     )
 
 
-def _by_formulas(
-    wl: Workload,
-    batch_size: int | None,
-    settings: Settings,
-    target: Target,
-    search: bool,
-    search_limit: int | None,
-    reason: str,
-) -> Estimate:
+def _by_formulas(request: _Request, reason: str) -> Estimate:
     """The fallback: one GPU's unlimited run, its states divided as the formulas say."""
+    wl, settings, target, options = request.workload, request.settings, request.target, request.options
     one = settings.replace(world_size=1, shard="none", shard_group_size=None)
+    run = FakeSteps(wl, foreach=target.cuda, cuda=target.semantics)
     cache: dict[int, _Prediction] = {}
-
-    def run(chosen: Settings, budget: int | None, count_ops: bool) -> FakeRun:
-        return run_fake_steps(
-            wl, chosen, foreach=target.cuda, budget=budget, cuda=target.semantics, count_ops=count_ops
-        )
 
     def predict(b: int) -> _Prediction:
         if b not in cache:
@@ -518,149 +568,115 @@ def _by_formulas(
         return cache[b]
 
     def outcome(b: int) -> Outcome:
-        _, _, reserved = apply_sharding(predict(b).peak, settings.world_size, settings.shard)
+        reserved = apply_sharding(predict(b).peak, settings.world_size, settings.shard).reserved
         total = reserved + target.fixed_total
         return Outcome(b, target.memory is not None and total <= target.memory, total)
 
-    max_batch = _search(outcome, target, target.memory, batch_size, search, search_limit)
-    chosen = batch_size if batch_size is not None else max(max_batch or 0, 1)
+    max_batch = _search(outcome, target, target.memory, options)
+    chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
     peak = predict(chosen).peak
-    categories, allocated, reserved = apply_sharding(peak, settings.world_size, settings.shard)
     return _result(
-        wl,
-        chosen,
-        settings,
-        target,
-        categories,
-        allocated,
-        reserved,
-        peak,
-        outcome(chosen).fits if target.memory is not None else None,
-        max_batch,
-        step=None,
-        method="formulas",
-        note=(
-            f"tracing cannot run here ({reason}): per-rank figures from formulas "
-            "(memfit.estimator.sharding), which leave out FSDP's all-gather and reduce-scatter "
-            "buffers and the full parameters of each unit"
-        ),
+        _Shown(
+            workload=wl.name,
+            batch_size=chosen,
+            settings=settings,
+            target=target,
+            figures=apply_sharding(peak, settings.world_size, settings.shard),
+            top_modules=peak.top_modules,
+            fits=outcome(chosen).fits if target.memory is not None else None,
+            max_batch_size=max_batch,
+            way=Way.FORMULAS,
+            note=(
+                f"tracing cannot run here ({reason}): per-rank figures from formulas "
+                "(memfit.estimator.sharding), which leave out FSDP's all-gather and reduce-scatter "
+                "buffers and the full parameters of each unit"
+            ),
+        )
     )
 
 
-def _search(
-    outcome: Callable[[int], Outcome],
-    target: Target,
-    capacity: int | None,
-    batch_size: int | None,
-    search: bool,
-    search_limit: int | None,
-) -> int | None:
-    if target.memory is None or (batch_size is not None and not search):
+def _search(outcome: Callable[[int], Outcome], target: Target, capacity: int | None, options: _Options) -> int | None:
+    if target.memory is None or (options.batch_size is not None and not options.search):
         return None
-    if search_limit is not None:
-        return largest_fitting(outcome, capacity, limit=search_limit, guess=search_limit)
+    if options.search_limit is not None:
+        return largest_fitting(outcome, capacity, limit=options.search_limit, guess=options.search_limit)
     return largest_fitting(outcome, capacity)
 
 
-def _result(
-    wl: Workload,
-    chosen: int,
-    settings: Settings,
-    target: Target,
-    categories: dict[str, int],
-    allocated: int,
-    reserved: int,
-    peak: Peak,
-    fits: bool | None,
-    max_batch: int | None,
-    *,
-    step: StepTime | None,
-    method: Method,
-    rank: int = 0,
-    note: str = "",
-) -> Estimate:
+def _result(shown: _Shown) -> Estimate:
+    """The :class:`Estimate` of what a way found."""
+    figures, target, settings, step = shown.figures, shown.target, shown.settings, shown.step
     names = (*CATEGORIES, *ROLES, "ddp buckets")
-    breakdown = {name: categories[name] for name in names if name in categories}
-    breakdown["allocator overhead"] = reserved - allocated
+    breakdown = {name: figures.categories[name] for name in names if name in figures.categories}
+    breakdown["allocator overhead"] = figures.reserved - figures.allocated
     # Each fixed cost by its name (cuda context, cublas workspace, cudnn workspace), or
     # one line when there is none to name (a simulated GPU) or the user gave the total.
     breakdown.update(target.fixed or {"fixed costs": 0})
     world = settings.world_size
     return Estimate(
-        workload=wl.name,
-        batch_size=chosen,
-        settings=settings.replace(micro_batch_size=chosen).to_dict(),
+        workload=shown.workload,
+        batch_size=shown.batch_size,
+        settings=settings.replace(micro_batch_size=shown.batch_size).to_dict(),
         target=target.name,
         memory=target.memory,
-        peak_allocated=allocated,
-        peak_reserved=reserved,
+        peak_allocated=figures.allocated,
+        peak_reserved=figures.reserved,
         fixed_costs=dict(target.fixed),
-        total=reserved + target.fixed_total,
+        total=figures.reserved + target.fixed_total,
         breakdown=breakdown,
-        top_modules=[{"module": name, "bytes": nbytes} for name, nbytes in peak.top_modules],
-        fits=fits,
-        max_batch_size=max_batch,
+        top_modules=[{"module": name, "bytes": nbytes} for name, nbytes in shown.top_modules],
+        fits=shown.fits,
+        max_batch_size=shown.max_batch_size,
         world_size=world,
         shard=settings.shard,
         shard_group_size=settings.shard_group_size,
         strategy=describe(settings.shard, world, settings.shard_group_size),
-        method=method,
-        method_note=note,
-        rank=rank,
+        method=shown.way.value,
+        method_note=shown.note,
+        rank=shown.rank,
         cuda_version=None if target.cuda_version is None else "{}.{}".format(*target.cuda_version),
         cuda=target.semantics.describe() if target.semantics is not None else None,
         predicted_seconds_per_step=step.seconds_per_step if step else None,
         predicted_samples_per_second=step.samples_per_second if step else None,
         speed_gpu=step.gpu if step else None,
         predicted_time=step.to_dict() if step else None,
-        speed_note="" if step else _no_speed_reason(target, settings, world),
+        speed_note="" if step else _no_speed_reason(target, settings),
     )
 
 
-def _no_speed_reason(target: Target, settings: Settings, world_size: int) -> str:
-    """Why :func:`_predicted_time` gave none although the target names a card ("" when it
+def _speed_card(target: Target, settings: Settings) -> GPU | None:
+    """The card whose step time the estimate predicts: the target's, when it has one.
+
+    None without a card (``memory=``), over several ranks (communication is not
+    modelled), or for bf16 on a card without it (:func:`_no_speed_reason` says which).
+    """
+    card = target.speed
+    if card is None or settings.world_size > 1 or (settings.precision == "bf16" and not card.bf16):
+        return None
+    return card
+
+
+def _no_speed_reason(target: Target, settings: Settings) -> str:
+    """Why :func:`_speed_card` gave none although the target names a card ("" when it
     names none: then there is nothing to predict for)."""
     card = target.speed
     if card is None:
         return ""
-    if world_size > 1:
-        return f"no step time for {world_size} ranks: communication is not modelled, so one rank's would be too fast"
+    if settings.world_size > 1:
+        return (
+            f"no step time for {settings.world_size} ranks: communication is not modelled, "
+            "so one rank's would be too fast"
+        )
     if settings.precision == "bf16" and not card.bf16:
         return f"the {card.name} has no bf16"
     return ""
 
 
-def _predicted_time(
-    workload: Workload, settings: Settings, target: Target, prediction: _Prediction, world_size: int
-) -> StepTime | None:
-    """The predicted step on the target's card, from the operations of the fake steps.
-
-    None without a card (``memory=``), over several ranks (communication is not modelled),
-    or for bf16 on a card without it. The fake steps of a simulated GPU run the CPU's
-    optimizer loop (the simulated GPU's own accounting); the time is for the card, so
-    its optimizers are recorded again in CUDA's foreach form.
-    """
-    card = target.speed
-    if card is None or world_size > 1 or (settings.precision == "bf16" and not card.bf16):
-        return None
-    trace = prediction.ops if target.cuda else None
-    if trace is not None:
-        return step_time(workload, settings, card, trace=trace)
-    return step_time(workload, settings, card, foreach=True)
-
-
-def _answer(request: dict[str, Any]) -> dict[str, Any]:
+def _answer(child: dict[str, Any]) -> dict[str, Any]:
     """The child's side of an estimate asked for by a process in a real process group
     (a dict: run as ``__main__``, this module's classes are not the parent's)."""
-    return _estimate(
-        load_in_child(request["workload"]),
-        request["batch_size"],
-        Settings(**request["settings"]),
-        request["target"],
-        request["search"],
-        request["search_limit"],
-        request["speed"],
-    ).to_dict()
+    workload = load_in_child(child["workload"])
+    return _estimate(_Request(workload, Settings(**child["settings"]), child["target"], child["options"])).to_dict()
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
 from memfit.workload import Workload
 
-__all__ = ["run_fake_steps", "FakeRun", "UnsupportedOperation", "Event"]
+__all__ = ["run_fake_steps", "FakeRun", "FakeSteps", "Runner", "UnsupportedOperation", "Event"]
 
 #: one recorded allocator event: ("alloc" | "free", handle, nbytes, labels)
 Event = tuple[str, int, int, Labels]
@@ -88,6 +88,14 @@ class FakeRun:
     ops: OpTrace | None = None
     #: the allocator's history as ``torch.cuda.memory._snapshot()`` gives it (``history=True``)
     snapshot: dict[str, Any] | None = None
+    #: the rank of N the run is for (:mod:`memfit.estimator.distributed_trace`); 0 on one GPU
+    rank: int = 0
+
+
+#: runs the fake steps at one settings (its micro-batch) within a budget, counting the last
+#: step's operations when asked (for the predicted step time): :class:`FakeSteps` on one
+#: GPU, :func:`memfit.estimator.distributed_trace.tracing`'s runner for one rank of N
+Runner = Callable[[Settings, int | None, bool], FakeRun]
 
 
 def unsupported_message(op: str, module: str, error: BaseException) -> str:
@@ -302,3 +310,30 @@ def run_fake_steps(
         ops=counter.trace() if counter is not None and fits else None,
         snapshot=device.allocator.snapshot() if history else None,
     )
+
+
+@dataclass(frozen=True)
+class FakeSteps:
+    """A :data:`Runner` on one GPU: :func:`run_fake_steps` of ``workload`` at any settings.
+
+    >>> import memfit
+    >>> run = FakeSteps(memfit.load_workload("mlp:layers=1,width=16,features=16"))
+    >>> run(memfit.Settings(micro_batch_size=2), None, False).fits
+    True
+    """
+
+    workload: Workload
+    steps: int = 2
+    foreach: bool = False
+    cuda: CudaTarget | None = None
+
+    def __call__(self, settings: Settings, budget: int | None = None, count_ops: bool = False) -> FakeRun:
+        return run_fake_steps(
+            self.workload,
+            settings,
+            steps=self.steps,
+            foreach=self.foreach,
+            budget=budget,
+            cuda=self.cuda,
+            count_ops=count_ops,
+        )

@@ -22,7 +22,7 @@ The search, cheapest evidence first:
 3. the rest are run as short trials (two optimizer steps of one micro-batch) from the
    most promising down; a trial that runs out of memory moves to the next smaller
    micro-batch of its group. For N ranks a trial rehearses the rank that holds the most
-   on a fake process group (:func:`memfit.estimator.distributed_trace.rehearsal`): its
+   on a fake process group (:func:`memfit.estimator.rehearsal.rehearsal`): its
    memory on the device is the strategy's, exactly; its time leaves out communication.
 
 On a simulated GPU the trials run on fake tensors (:mod:`memfit.search.trials`), which
@@ -467,7 +467,7 @@ def _rehearsing(
     if shape.world_size <= 1 or run_trial is not trial:
         yield
         return
-    from memfit.estimator.distributed_trace import rehearsal
+    from memfit.estimator.rehearsal import rehearsal
 
     if heaviest is None:
         heaviest = _heaviest_rank_at(workload, shape, device, limit)

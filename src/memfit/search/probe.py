@@ -24,7 +24,7 @@ process group every rank probes its own device and all return the smallest answe
 (64, 'max_batch_size')
 
 With ``settings.world_size > 1`` the trials rehearse one rank of that many on a fake
-process group (:func:`memfit.estimator.distributed_trace.rehearsal`): the model wrapped
+process group (:func:`memfit.estimator.rehearsal.rehearsal`): the model wrapped
 by the strategy (DDP, ZeRO-1, FSDP2), the rank that holds the most, its memory on this
 device exactly as on N GPUs, its step time without communication.
 """
@@ -44,7 +44,7 @@ from memfit import distributed
 from memfit._html import HtmlRepr
 from memfit.batch_search import Outcome, SearchSpace, answer, next_batch_size
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.estimator.distributed_trace import rehearsal
+from memfit.estimator.rehearsal import rehearsal
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement, non_finite_loss_message
