@@ -17,17 +17,12 @@ from memfit.estimator.estimate import estimate, resolve_target
 from memfit.estimator.fake import run_fake_steps
 from memfit.estimator.speed import DEFAULT_SPEED_GPU, record_step, step_time
 from memfit.estimator.timing import (
-    BFLOAT,
     COMPUTE_EFFICIENCY,
-    HALF,
     HOST_SECONDS_PER_OP,
-    KERNEL,
     KERNEL_GAP_SECONDS,
-    MATMUL,
     MEMORY_EFFICIENCY,
-    NO_KERNEL,
-    SINGLE,
-    SYNC,
+    DType,
+    Kind,
     OpCounter,
     predict,
 )
@@ -55,9 +50,9 @@ def test_the_fake_step_counts_a_linear_layers_flops_exactly() -> None:
     # forward addmm 2·B·in·out; backward only the weight's gradient (the input needs none): 2·B·in·out
     trace = record_step(linear_workload(), memfit.Settings(micro_batch_size=8))
     kinds, flops, _, dtypes = trace.forward_backward
-    products = [(k, f, d) for k, f, d in zip(kinds, flops, dtypes) if k == MATMUL]
+    products = [(k, f, d) for k, f, d in zip(kinds, flops, dtypes) if k == Kind.MATMUL]
     assert sorted(f for _, f, _ in products) == [2 * 8 * 64 * 32] * 2
-    assert {d for _, _, d in products} == {SINGLE}
+    assert {d for _, _, d in products} == {DType.SINGLE}
     assert trace.flops == 4 * 8 * 64 * 32  # the optimizer's element-wise updates count no FLOPs
     assert trace.micro_batches == 1 and trace.uncounted == 0
 
@@ -65,7 +60,7 @@ def test_the_fake_step_counts_a_linear_layers_flops_exactly() -> None:
 def test_autocast_products_are_counted_in_their_lower_precision() -> None:
     trace = record_step(linear_workload(), memfit.Settings(micro_batch_size=8, precision="bf16"))
     kinds, _, _, dtypes = trace.forward_backward
-    assert {d for k, d in zip(kinds, dtypes) if k == MATMUL} == {BFLOAT}
+    assert {d for k, d in zip(kinds, dtypes) if k == Kind.MATMUL} == {DType.BFLOAT}
 
 
 def test_an_element_wise_kernel_moves_its_inputs_and_outputs_and_views_move_nothing() -> None:
@@ -80,12 +75,17 @@ def test_an_element_wise_kernel_moves_its_inputs_and_outputs_and_views_move_noth
         counter.record(torch.ops.prim.device.default, (a,), {}, a.device)
         counter.record(torch.ops.aten._local_scalar_dense.default, (a[0],), {}, 0.0)
     kinds, flops, nbytes, _ = counter.trace().forward_backward
-    assert list(kinds) == [KERNEL, NO_KERNEL, NO_KERNEL, SYNC]  # prim.device: an attribute read, not counted
+    assert list(kinds) == [
+        Kind.KERNEL,
+        Kind.NO_KERNEL,
+        Kind.NO_KERNEL,
+        Kind.SYNC,
+    ]  # prim.device: an attribute read, not counted
     assert list(nbytes) == [3 * 4000, 0, 0, 0]
     assert list(flops) == [0, 0, 0, 0]
 
 
-def one_op(kind: int, flops: float, nbytes: float, dtype: int = SINGLE) -> OpCounter:
+def one_op(kind: Kind, flops: float, nbytes: float, dtype: DType = DType.SINGLE) -> OpCounter:
     counter = OpCounter(step=0)
     counter.add(kind, flops, nbytes, dtype, phase="forward")
     return counter
@@ -93,8 +93,8 @@ def one_op(kind: int, flops: float, nbytes: float, dtype: int = SINGLE) -> OpCou
 
 def test_a_large_product_runs_at_the_efficiency_of_its_dtypes_peak() -> None:
     flops = 2 * 8192**3
-    for dtype, peak in ((HALF, A100.fp16_tensor), (BFLOAT, A100.bf16_tensor), (SINGLE, A100.fp32)):
-        time = predict(one_op(MATMUL, flops, 1e6, dtype).trace(), A100, 1, tf32_matmul=False)
+    for dtype, peak in ((DType.HALF, A100.fp16_tensor), (DType.BFLOAT, A100.bf16_tensor), (DType.SINGLE, A100.fp32)):
+        time = predict(one_op(Kind.MATMUL, flops, 1e6, dtype).trace(), A100, 1, tf32_matmul=False)
         assert peak is not None
         expected = HOST_SECONDS_PER_OP + flops / (peak * COMPUTE_EFFICIENCY) + KERNEL_GAP_SECONDS
         assert time.seconds_per_step == pytest.approx(expected)
@@ -102,7 +102,7 @@ def test_a_large_product_runs_at_the_efficiency_of_its_dtypes_peak() -> None:
 
 
 def test_tf32_follows_the_setting_and_only_where_the_card_has_it() -> None:
-    trace = one_op(MATMUL, 2 * 8192**3, 1e6).trace()
+    trace = one_op(Kind.MATMUL, 2 * 8192**3, 1e6).trace()
     fp32 = predict(trace, A100, 1, tf32_matmul=False).compute_seconds
     tf32 = predict(trace, A100, 1, tf32_matmul=True).compute_seconds
     assert fp32 / tf32 == pytest.approx(156 / 19.5)
@@ -112,7 +112,7 @@ def test_tf32_follows_the_setting_and_only_where_the_card_has_it() -> None:
 
 
 def test_tf32_default_is_this_processs_pytorch_setting() -> None:
-    trace = one_op(MATMUL, 2 * 8192**3, 1e6).trace()
+    trace = one_op(Kind.MATMUL, 2 * 8192**3, 1e6).trace()
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
@@ -125,24 +125,24 @@ def test_tf32_default_is_this_processs_pytorch_setting() -> None:
 
 def test_an_element_wise_kernel_is_timed_by_the_bytes_it_moves() -> None:
     nbytes = 8e9
-    time = predict(one_op(KERNEL, 0, nbytes).trace(), A100, 1)
+    time = predict(one_op(Kind.KERNEL, 0, nbytes).trace(), A100, 1)
     assert time.memory_seconds == pytest.approx(nbytes / (A100.bandwidth * MEMORY_EFFICIENCY))
     # on a card with twice the bandwidth, half the time
-    faster = predict(one_op(KERNEL, 0, nbytes).trace(), lookup("H100 SXM"), 1)
+    faster = predict(one_op(Kind.KERNEL, 0, nbytes).trace(), lookup("H100 SXM"), 1)
     assert faster.memory_seconds == pytest.approx(time.memory_seconds * A100.bandwidth / lookup("H100 SXM").bandwidth)
 
 
 def test_tiny_kernels_take_the_hosts_time_and_a_read_of_a_value_waits_for_the_gpu() -> None:
     counter = OpCounter(step=0)
     for _ in range(100):
-        counter.add(KERNEL, 0, 4, SINGLE, phase="forward")
+        counter.add(Kind.KERNEL, 0, 4, DType.SINGLE, phase="forward")
     time = predict(counter.trace(), A100, 1)
     assert time.seconds_per_step == pytest.approx(100 * HOST_SECONDS_PER_OP + KERNEL_GAP_SECONDS, rel=1e-3)
     # one long kernel, then a value read on the host, then a tiny kernel: the host waits
     counter = OpCounter(step=0)
-    counter.add(KERNEL, 0, 2e9, SINGLE, phase="forward")
-    counter.add(SYNC, 0, 0, SINGLE, phase="forward")
-    counter.add(KERNEL, 0, 4, SINGLE, phase="forward")
+    counter.add(Kind.KERNEL, 0, 2e9, DType.SINGLE, phase="forward")
+    counter.add(Kind.SYNC, 0, 0, DType.SINGLE, phase="forward")
+    counter.add(Kind.KERNEL, 0, 4, DType.SINGLE, phase="forward")
     long = 2e9 / (A100.bandwidth * MEMORY_EFFICIENCY)
     waited = predict(counter.trace(), A100, 1).seconds_per_step
     # (the read's own host time passes while the long kernel runs)
@@ -152,8 +152,8 @@ def test_tiny_kernels_take_the_hosts_time_and_a_read_of_a_value_waits_for_the_gp
 
 def test_accumulation_repeats_the_micro_batch_and_the_optimizer_step_once() -> None:
     counter = OpCounter(step=0)
-    counter.add(KERNEL, 0, 1e9, SINGLE, phase="forward")
-    counter.add(KERNEL, 0, 3e9, SINGLE, phase="optimizer")
+    counter.add(Kind.KERNEL, 0, 1e9, DType.SINGLE, phase="forward")
+    counter.add(Kind.KERNEL, 0, 3e9, DType.SINGLE, phase="optimizer")
     one, four = (predict(counter.trace(), A100, n, accumulation=n) for n in (1, 4))
     micro = 1e9 / (A100.bandwidth * MEMORY_EFFICIENCY) + KERNEL_GAP_SECONDS + HOST_SECONDS_PER_OP
     assert four.seconds_per_step - one.seconds_per_step == pytest.approx(3 * micro)

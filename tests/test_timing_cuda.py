@@ -19,7 +19,7 @@ import memfit
 from memfit.cuda.kernels import Kernel, observing
 from memfit.cuda.target import CudaTarget
 from memfit.estimator.fake import run_fake_steps
-from memfit.estimator.timing import CONV, KERNEL, MATMUL, NO_KERNEL, OpTrace
+from memfit.estimator.timing import Kind, OpTrace
 from memfit.memory.devices import SimDevice
 from memfit.workload import Workload
 
@@ -83,7 +83,7 @@ def test_a_checkpointed_flash_attention_is_timed_twice_forward_and_once_backward
     workload = dataclasses.replace(attention_workload(64), model=lambda: Checkpointed(64))
     trace = trace_of(workload, memfit.Settings(micro_batch_size=B, precision="bf16"), A100)
     forward, backward = sdpa_shapes(64)
-    assert sum(trace.forward_backward[1]) == 2 * forward + backward  # the recompute runs the kernel again
+    assert sum(trace.forward_backward.flops) == 2 * forward + backward  # the recompute runs the kernel again
 
 
 @pytest.mark.parametrize(
@@ -103,7 +103,7 @@ def test_where_cuda_takes_the_math_path_its_matrices_are_timed(
     # the math path's two batched products, and twice that in backward (no recompute)
     assert sum(flops) == 3 * forward, why
     scores = B * H * S * S * 2
-    big = [b for k, b in zip(kinds, nbytes) if k == KERNEL and b >= scores]
+    big = [b for k, b in zip(kinds, nbytes) if k == Kind.KERNEL and b >= scores]
     assert len(big) >= 2, why  # softmax and its backward each move (B, H, S, S) tensors
     assert sum(nbytes) > 10 * scores
 
@@ -150,7 +150,7 @@ def test_fused_dropout_is_timed_as_one_kernel_each_way_with_a_bool_mask() -> Non
     # native_dropout: input and output (fp32) and a 1-byte mask; its backward: gradient in
     # and out and the mask. The CPU's dropout (an fp32 mask, several kernels) is not timed.
     fused = 4 * n + 4 * n + n
-    assert [b for k, b in zip(kinds, nbytes) if k == KERNEL].count(fused) == 2
+    assert [b for k, b in zip(kinds, nbytes) if k == Kind.KERNEL].count(fused) == 2
 
 
 def test_an_lstm_is_timed_as_cudnn_calls_not_the_cpus_steps() -> None:
@@ -175,8 +175,8 @@ def test_an_lstm_is_timed_as_cudnn_calls_not_the_cpus_steps() -> None:
     kinds, flops, _, _ = trace.forward_backward
     weights = [p for p in nn.LSTM(features, hidden, num_layers=layers).parameters() if p.dim() == 2]
     forward = sum(2 * steps * batch * w.numel() for w in weights)  # each W times every step's input
-    calls = [f for k, f in zip(kinds, flops) if k == CONV]
+    calls = [f for k, f in zip(kinds, flops) if k == Kind.CONV]
     assert calls == [forward, 2 * forward]  # _cudnn_rnn, _cudnn_rnn_backward (data and weights)
-    assert not [k for k in kinds if k == MATMUL]  # none of the CPU's per-step products
-    kernels = [k for k in kinds if k != NO_KERNEL]
+    assert not [k for k in kinds if k == Kind.MATMUL]  # none of the CPU's per-step products
+    kernels = [k for k in kinds if k != Kind.NO_KERNEL]
     assert len(kernels) < steps  # the CPU's cells would be several kernels a step and layer

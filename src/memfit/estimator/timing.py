@@ -32,7 +32,7 @@ Every constant is stated once, with its source, and none was fitted to a benchma
 
 >>> from memfit.memory.gpus import lookup
 >>> counter = OpCounter(step=0)
->>> counter.add(MATMUL, 2 * 4096**3, 3 * 4096 * 4096 * 2, HALF, phase="forward")
+>>> counter.add(Kind.MATMUL, 2 * 4096**3, 3 * 4096 * 4096 * 2, DType.HALF, phase="forward")
 >>> time = predict(counter.trace(), lookup("A100 80GB SXM"), samples_per_step=1)
 >>> round(time.seconds_per_step * 1e3, 3)  # 137 GFLOP at 0.826 x 312 TFLOP/s, plus launch
 0.544
@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import array
 from dataclasses import asdict, dataclass
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 import torch
 
@@ -51,6 +52,9 @@ from memfit.memory.gpus import GPU
 from memfit.memory.tracker import current_labels
 
 __all__ = [
+    "Kind",
+    "DType",
+    "OpArrays",
     "OpCounter",
     "OpTrace",
     "StepTime",
@@ -78,14 +82,36 @@ HOST_SECONDS_PER_OP = 10e-6
 #: (2019) measures 3.8 us per kernel for kernels of 2.9 us launched back to back in a stream.
 KERNEL_GAP_SECONDS = 0.9e-6
 
-# what an operation is
-KERNEL, MATMUL, CONV, NO_KERNEL, SYNC, IGNORED = range(6)
-# the dtype of its inputs
-SINGLE, HALF, BFLOAT, OTHER = range(4)
 
-_DTYPES = {torch.float32: SINGLE, torch.float16: HALF, torch.bfloat16: BFLOAT}
+class Kind(IntEnum):
+    """What an operation is, as the replay times it (stored in an ``array("b")``)."""
+
+    #: a kernel timed by the bytes it moves
+    KERNEL = 0
+    #: a matrix product (cuBLAS), timed by its FLOPs or its bytes
+    MATMUL = 1
+    #: a convolution (cuDNN), timed by its FLOPs or its bytes
+    CONV = 2
+    #: a view or an allocation: host time only
+    NO_KERNEL = 3
+    #: a read of a value on the host: waits for the GPU
+    SYNC = 4
+    #: not an ATen call (an attribute read): not counted at all
+    IGNORED = 5
+
+
+class DType(IntEnum):
+    """The dtype of an operation's inputs, as far as the peaks tell them apart."""
+
+    SINGLE = 0
+    HALF = 1
+    BFLOAT = 2
+    OTHER = 3
+
+
+_DTYPES = {torch.float32: DType.SINGLE, torch.float16: DType.HALF, torch.bfloat16: DType.BFLOAT}
 #: what a reported CUDA kernel's FLOPs run on (memfit.cuda.kernels.Engine), as a kind here
-_ENGINES = {"matmul": MATMUL, "cudnn": CONV, "none": KERNEL}
+_ENGINES = {"matmul": Kind.MATMUL, "cudnn": Kind.CONV, "none": Kind.KERNEL}
 
 #: operations that launch no kernel (beyond views, which ``OpOverload.is_view`` tells)
 _NO_KERNEL = frozenset(
@@ -133,7 +159,7 @@ def _activation_bytes(tensors: list[torch.Tensor]) -> int:
     )
 
 
-def _extra_passes(name: str, kind: int, dtype: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+def _extra_passes(name: str, kind: Kind, dtype: DType, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
     """Bytes the GPU's kernels move beyond one read of each input and one write of each
     output, where the CUDA implementation is known to make more passes.
 
@@ -150,7 +176,7 @@ def _extra_passes(name: str, kind: int, dtype: int, inputs: list[torch.Tensor], 
         return _nbytes(inputs[0]) if inputs else 0
     if name in ("native_batch_norm_backward", "cudnn_batch_norm_backward", "batch_norm_backward"):
         return sum(_nbytes(t) for t in inputs[:2])
-    if kind == CONV and dtype in (HALF, BFLOAT):
+    if kind == Kind.CONV and dtype in (DType.HALF, DType.BFLOAT):
         weightless = [t for t in inputs if t.dim() == 4 and t.shape[1] > 1]
         return 2 * _activation_bytes([*weightless, *[t for t in outputs if t.dim() == 4]])
     return 0
@@ -195,31 +221,43 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return size
 
 
+class OpArrays(NamedTuple):
+    """Operations in order, one entry per operation in each array (compact: a 7B model's
+    step is about 58,000 operations)."""
+
+    #: :class:`Kind` of each operation
+    kinds: array.array[int]
+    flops: array.array[float]
+    #: bytes read and written
+    nbytes: array.array[float]
+    #: :class:`DType` of each operation
+    dtypes: array.array[int]
+
+
+def _arrays() -> OpArrays:
+    return OpArrays(array.array("b"), array.array("d"), array.array("d"), array.array("b"))
+
+
 @dataclass
 class OpTrace:
-    """The operations of one step, in order, as parallel arrays (compact: a 7B model's step
-    is about 58,000 operations).
+    """The operations of one step: the forward and backward passes, and the optimizer.
 
     ``micro_batches``: the forward/backward passes recorded in ``forward_backward``.
     """
 
-    forward_backward: tuple[array.array[int], array.array[float], array.array[float], array.array[int]]
-    optimizer: tuple[array.array[int], array.array[float], array.array[float], array.array[int]]
+    forward_backward: OpArrays
+    optimizer: OpArrays
     micro_batches: int = 1
     #: products whose FLOPs could not be counted (timed by their bytes: the step is faster)
     uncounted: int = 0
 
     @property
     def operations(self) -> int:
-        return len(self.forward_backward[0]) + len(self.optimizer[0])
+        return len(self.forward_backward.kinds) + len(self.optimizer.kinds)
 
     @property
     def flops(self) -> float:
-        return sum(self.forward_backward[1]) + sum(self.optimizer[1])
-
-
-def _arrays() -> tuple[array.array[int], array.array[float], array.array[float], array.array[int]]:
-    return array.array("b"), array.array("d"), array.array("d"), array.array("b")
+        return sum(self.forward_backward.flops) + sum(self.optimizer.flops)
 
 
 class OpCounter:
@@ -240,7 +278,7 @@ class OpCounter:
         self.micro_batches = micro_batches
         self._fb = _arrays()
         self._opt = _arrays()
-        self._kinds: dict[Any, tuple[int, Any]] = {}
+        self._kinds: dict[Any, tuple[Kind, Any]] = {}
         #: products whose FLOPs PyTorch's formulas could not count (timed by their bytes)
         self.uncounted = 0
 
@@ -250,11 +288,11 @@ class OpCounter:
         if labels.step != self.step:
             return
         kind, formula = self._kind(func)
-        if kind == IGNORED:
+        if kind == Kind.IGNORED:
             return
         flops = nbytes = 0.0
-        dtype = OTHER
-        if kind not in (NO_KERNEL, SYNC):
+        dtype = DType.OTHER
+        if kind not in (Kind.NO_KERNEL, Kind.SYNC):
             inputs: list[torch.Tensor] = []
             _walk(args, inputs)
             _walk(list(kwargs.values()), inputs)
@@ -271,7 +309,7 @@ class OpCounter:
                 read = sum(_nbytes(t) for t in inputs)
             for tensor in inputs:
                 if tensor.is_floating_point():
-                    dtype = _DTYPES.get(tensor.dtype, OTHER)
+                    dtype = _DTYPES.get(tensor.dtype, DType.OTHER)
                     break
             nbytes = float(read + written + _extra_passes(name, kind, dtype, inputs, outputs))
             if formula is not None:
@@ -287,36 +325,36 @@ class OpCounter:
         labels = current_labels()
         if labels.step != self.step:
             return
-        dtype = _DTYPES.get(kernel.dtype, OTHER)
+        dtype = _DTYPES.get(kernel.dtype, DType.OTHER)
         self.add(_ENGINES[kernel.engine], float(kernel.flops), float(kernel.nbytes), dtype, phase=labels.phase)
 
-    def add(self, kind: int, flops: float, nbytes: float, dtype: int, *, phase: str) -> None:
+    def add(self, kind: Kind, flops: float, nbytes: float, dtype: DType, *, phase: str) -> None:
         """Append one operation (``phase`` "optimizer" or anything else for forward/backward)."""
-        kinds, flop_list, byte_list, dtypes = self._opt if phase == "optimizer" else self._fb
-        kinds.append(kind)
-        flop_list.append(flops)
-        byte_list.append(nbytes)
-        dtypes.append(dtype)
+        ops = self._opt if phase == "optimizer" else self._fb
+        ops.kinds.append(kind)
+        ops.flops.append(flops)
+        ops.nbytes.append(nbytes)
+        ops.dtypes.append(dtype)
 
     def trace(self) -> OpTrace:
         return OpTrace(self._fb, self._opt, self.micro_batches, self.uncounted)
 
-    def _kind(self, func: Any) -> tuple[int, Any]:
+    def _kind(self, func: Any) -> tuple[Kind, Any]:
         known = self._kinds.get(func)
         if known is None:
             packet = getattr(func, "_overloadpacket", None)
             name = getattr(packet, "__name__", str(func))
             formula = _FORMULAS.get(packet)
             if getattr(packet, "_qualified_op_name", "").startswith("prim::"):
-                known = (IGNORED, None)  # tensor.device and such: attribute reads, no ATen call
+                known = (Kind.IGNORED, None)  # tensor.device and such: attribute reads, no ATen call
             elif name in _SYNC:
-                known = (SYNC, None)
+                known = (Kind.SYNC, None)
             elif getattr(func, "is_view", False) or name in _NO_KERNEL:
-                known = (NO_KERNEL, None)
+                known = (Kind.NO_KERNEL, None)
             elif formula is not None:
-                known = (CONV if name in _CONV else MATMUL, formula)
+                known = (Kind.CONV if name in _CONV else Kind.MATMUL, formula)
             else:
-                known = (KERNEL, None)
+                known = (Kind.KERNEL, None)
             self._kinds[func] = known
         return known
 
@@ -355,35 +393,41 @@ def _peaks(gpu: GPU, tf32_matmul: bool, tf32_conv: bool) -> dict[tuple[int, int]
     bfloat = gpu.bf16_tensor or fp32
     tf32 = gpu.tf32 or fp32
     return {
-        (MATMUL, SINGLE): tf32 if tf32_matmul else fp32,
-        (CONV, SINGLE): tf32 if tf32_conv else fp32,
-        (MATMUL, HALF): half,
-        (CONV, HALF): half,
-        (MATMUL, BFLOAT): bfloat,
-        (CONV, BFLOAT): bfloat,
-        (MATMUL, OTHER): fp32,
-        (CONV, OTHER): fp32,
+        (Kind.MATMUL, DType.SINGLE): tf32 if tf32_matmul else fp32,
+        (Kind.CONV, DType.SINGLE): tf32 if tf32_conv else fp32,
+        (Kind.MATMUL, DType.HALF): half,
+        (Kind.CONV, DType.HALF): half,
+        (Kind.MATMUL, DType.BFLOAT): bfloat,
+        (Kind.CONV, DType.BFLOAT): bfloat,
+        (Kind.MATMUL, DType.OTHER): fp32,
+        (Kind.CONV, DType.OTHER): fp32,
     }
 
 
-def _replay(
-    ops: tuple[array.array[int], array.array[float], array.array[float], array.array[int]],
-    peaks: dict[tuple[int, int], float],
-    bandwidth: float,
-) -> tuple[float, float, float, float, int]:
-    """(seconds, compute-bound seconds, memory-bound seconds, host seconds, kernels) of the
-    operations, the host running ahead of the GPU until it must wait for a value."""
+class Replay(NamedTuple):
+    """The time of a run of operations (:func:`_replay`)."""
+
+    seconds: float
+    #: GPU time of the kernels bound by their FLOPs, and by their bytes
+    compute: float
+    memory: float
+    host: float
+    kernels: int
+
+
+def _replay(ops: OpArrays, peaks: dict[tuple[int, int], float], bandwidth: float) -> Replay:
+    """The operations' time, the host running ahead of the GPU until it must wait for a value."""
     host = device = compute = memory = 0.0
     kernels = 0
     for kind, flops, nbytes, dtype in zip(*ops):
         host += HOST_SECONDS_PER_OP
-        if kind == NO_KERNEL:
+        if kind == Kind.NO_KERNEL:
             continue
-        if kind == SYNC:
+        if kind == Kind.SYNC:
             host = max(host, device)
             continue
         moving = nbytes / bandwidth
-        if kind == KERNEL:
+        if kind == Kind.KERNEL:
             busy = moving
             memory += moving
         else:
@@ -395,7 +439,7 @@ def _replay(
                 memory += busy
         device = max(host, device) + busy + KERNEL_GAP_SECONDS
         kernels += 1
-    return max(host, device), compute, memory, len(ops[0]) * HOST_SECONDS_PER_OP, kernels
+    return Replay(max(host, device), compute, memory, len(ops.kinds) * HOST_SECONDS_PER_OP, kernels)
 
 
 def predict(
@@ -428,15 +472,15 @@ def predict(
     scale = (accumulation or trace.micro_batches) / trace.micro_batches
     fb = _replay(trace.forward_backward, peaks, bandwidth)
     opt = _replay(trace.optimizer, peaks, bandwidth)
-    seconds = scale * fb[0] + opt[0]
+    seconds = scale * fb.seconds + opt.seconds
     return StepTime(
         gpu=gpu.name,
         seconds_per_step=seconds,
         samples_per_second=samples_per_step / seconds if seconds > 0 else 0.0,
-        compute_seconds=scale * fb[1] + opt[1],
-        memory_seconds=scale * fb[2] + opt[2],
-        host_seconds=scale * fb[3] + opt[3],
-        kernels=round(scale * fb[4]) + opt[4],
+        compute_seconds=scale * fb.compute + opt.compute,
+        memory_seconds=scale * fb.memory + opt.memory,
+        host_seconds=scale * fb.host + opt.host,
+        kernels=round(scale * fb.kernels) + opt.kernels,
         tf32_matmul=tf32_matmul and gpu.tf32 is not None,
         tf32_conv=tf32_conv and gpu.tf32 is not None,
         uncounted_operations=trace.uncounted,
