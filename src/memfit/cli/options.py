@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memfit.run.strategy import SHARDS, check_strategy
+from memfit.search.headroom import DEFAULT_HEADROOM
 from memfit.units import parse_size
 
 if TYPE_CHECKING:
@@ -135,7 +136,11 @@ def trials_option(function: F) -> F:
 def headroom_option(help_text: str) -> Callable[[F], F]:
     """--headroom: the fraction of memory a recommendation leaves free (probe, plan, fit)."""
     return click.option(
-        "--headroom", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True, help=help_text
+        "--headroom",
+        type=click.FloatRange(0, 1, max_open=True),
+        default=DEFAULT_HEADROOM,
+        show_default=True,
+        help=help_text,
     )
 
 

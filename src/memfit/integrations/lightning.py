@@ -55,6 +55,7 @@ from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.monitor.monitor import Monitor
 from memfit.run.measure import Measurement
+from memfit.search.headroom import DEFAULT_HEADROOM
 from memfit.search.probe import TRIAL_STEPS, ProbeResult
 from memfit.search.probe import probe as run_probe
 from memfit.search.trials import trial_line
@@ -191,7 +192,7 @@ class MemfitCallback(pl.Callback):
         make_batch: Callable[[int], Any] | None = None,
         max_batch_size: int | None = None,
         multiple_of: int = 1,
-        headroom: float = 0.05,
+        headroom: float = DEFAULT_HEADROOM,
         grow_after: int | None = None,
         split: Callable[[Any, int], Any] | None = None,
         weight: Callable[[Any], Any] | None = None,

@@ -31,6 +31,7 @@ from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
 from memfit.run.settings import Checkpointing, Precision, Settings
 from memfit.run.strategy import Shard
+from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom
 from memfit.search.lock import Lock, Measured, write_lock
 from memfit.search.plan import Candidate, Plan, check_target, plan
 from memfit.search.trials import TrialKind, trial_line
@@ -196,7 +197,7 @@ def fit(
     device: Device | str = "auto",
     *,
     target_batch_size: int | None = None,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     max_batch_size: int | None = None,
     world_size: int = 1,
     precisions: Sequence[Precision] | None = None,
@@ -245,8 +246,7 @@ def fit(
     say = say or (lambda _text: None)
     if target_batch_size is not None:
         check_target(target_batch_size, world_size)  # before any long work
-    if not 0 <= headroom < 1:
-        raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
+    check_headroom(headroom)
     _check_outputs(lock_path, report_dir)  # seconds now, not after the whole search
     wl = load_workload(workload)
     gpu = make_device(device)

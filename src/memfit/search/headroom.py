@@ -36,8 +36,25 @@ import math
 from collections.abc import Sequence
 
 from memfit.batch_search import Outcome
+from memfit.errors import MemfitError
 
-__all__ = ["next_headroom_batch", "within_budget", "spread", "repeatable"]
+__all__ = ["DEFAULT_HEADROOM", "check_headroom", "next_headroom_batch", "within_budget", "spread", "repeatable"]
+
+#: the fraction of the device's memory a recommendation leaves free, unless told otherwise
+#: (probe, plan, fit, the command line, the Lightning callback; a lock that does not say)
+DEFAULT_HEADROOM = 0.05
+
+
+def check_headroom(headroom: float) -> None:
+    """Refuse a headroom that is not a fraction in [0, 1), in one line (before any work).
+
+    >>> check_headroom(1.5)
+    Traceback (most recent call last):
+    ...
+    memfit.errors.MemfitError: invalid headroom 1.5: use a fraction in [0, 1), such as 0.05
+    """
+    if not 0 <= headroom < 1:
+        raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as {DEFAULT_HEADROOM}")
 
 
 def _units(outcomes: Sequence[Outcome], multiple_of: int) -> list[tuple[int, bool, int]]:

@@ -49,6 +49,7 @@ from memfit._version import __version__
 from memfit.environment.envfile import EnvironmentCheck, Fingerprint, compare, fingerprint
 from memfit.errors import MemfitError
 from memfit.run.settings import Settings
+from memfit.search.headroom import DEFAULT_HEADROOM
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,7 +76,7 @@ class Measured:
     peak_allocated: int = 0
     peak_reserved: int = 0
     samples_per_second: float = 0.0
-    headroom: float = 0.05
+    headroom: float = DEFAULT_HEADROOM
     max_batch_size: int = 0  # probe's largest batch for the default settings (0: not probed)
 
 

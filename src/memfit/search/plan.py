@@ -78,6 +78,7 @@ from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.measure import Measurement, measure, non_finite_loss_message
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
 from memfit.run.strategy import SHARDS, Shard, check_strategy, describe
+from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom
 from memfit.search.trials import TrialKind, Trials, choose_trials
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
@@ -503,7 +504,7 @@ def plan(
     shards: Sequence[Shard] | None = None,
     gpus_per_node: int | None = None,
     reference_batch_size: int | None = None,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     predictor: Predictor | None = estimated_max_micro_batch,
     run_trial: Trial = trial,
     progress: Callable[[Candidate], None] | None = None,
@@ -555,8 +556,7 @@ def plan(
         MemfitError: a bad target or headroom; a trial whose loss is NaN or infinite.
     """
     check_target(target_batch_size, world_size)
-    if not 0 <= headroom < 1:
-        raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
+    check_headroom(headroom)
     if world_size > 1 and distributed.is_distributed():
         raise MemfitError(
             f"plan for {world_size} ranks rehearses one rank on a fake process group in one process; "

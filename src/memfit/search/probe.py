@@ -51,7 +51,7 @@ from memfit.run.measure import Measurement, non_finite_loss_message
 from memfit.run.settings import Settings
 from memfit.run.state import Snapshot, preserved
 from memfit.run.strategy import describe
-from memfit.search.headroom import next_headroom_batch, repeatable, within_budget
+from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom, next_headroom_batch, repeatable, within_budget
 from memfit.search.trials import TRIAL_KINDS, TrialKind, Trials, choose_trials
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload
@@ -149,7 +149,7 @@ def search(
     space: SearchSpace,
     *,
     capacity: int | None,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     progress: Progress | None = None,
     describe: str = "the workload",
 ) -> Search:
@@ -236,7 +236,7 @@ def confirmed_search(
     space: SearchSpace,
     *,
     capacity: int | None,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     progress: Progress | None = None,
     describe: str = "the workload",
 ) -> Search:
@@ -408,7 +408,7 @@ def probe(
     *,
     max_batch_size: int | None = None,
     multiple_of: int = 1,
-    headroom: float = 0.05,
+    headroom: float = DEFAULT_HEADROOM,
     guess: int | str | None = "estimate",
     progress: Progress | None = None,
     preserve: Sequence[Any] = (),
@@ -449,8 +449,7 @@ def probe(
     Raises:
         DoesNotFitError: not even the smallest batch fits.
     """
-    if not 0 <= headroom < 1:
-        raise MemfitError(f"invalid headroom {headroom}: use a fraction in [0, 1), such as 0.05")
+    check_headroom(headroom)
     wl = load_workload(workload)
     if device == "auto" and distributed.is_distributed() and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU, not every rank's cuda:0
