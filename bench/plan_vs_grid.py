@@ -23,7 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import memfit
 from _results import write_section
-from memfit.search.plan import _checkpointing_modes, candidates, plan, trial
+from memfit.search.candidates import candidates, checkpointing_modes
+from memfit.search.plan import plan
+from memfit.search.plan_trials import trial
 
 CASES = [
     ("mlp:layers=4,width=256,features=256", "sim:8MiB", 512),
@@ -36,7 +38,7 @@ def grid(ref: str, spec: str, target: int) -> tuple[dict, int]:
     """Every candidate measured; returns {settings: samples/s or None} and the steps run."""
     workload = memfit.load_workload(ref)
     model = workload.build_model()
-    modes = _checkpointing_modes(model)
+    modes = checkpointing_modes(model)
     del model
     speeds: dict = {}
     steps = 0

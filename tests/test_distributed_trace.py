@@ -31,8 +31,8 @@ from memfit.estimator.rehearsal import rehearsal
 from memfit.memory.devices import SimDevice, device
 from memfit.memory.tracker import StorageTracker
 from memfit.run.parallel import describe, fake_process_group
+from memfit.search.candidates import dominates, strategies
 from memfit.search.lock import Lock, load_lock, write_lock
-from memfit.search.plan import dominates, strategies
 
 MLP = "mlp:layers=2,width=256,features=64"
 BATCH = 8

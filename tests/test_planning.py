@@ -14,7 +14,9 @@ import memfit
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.run.measure import Measurement
 from memfit.run.settings import Settings
-from memfit.search.plan import MAX_TARGET_BATCH, advice, candidates, divisors, dominates, plan
+from memfit.search.candidates import MAX_TARGET_BATCH, candidates, divisors, dominates
+from memfit.search.plan import plan
+from memfit.search.plan_text import advice
 
 MLP = "mlp:layers=4,width=64,features=32"
 

@@ -21,7 +21,8 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.memory.devices import device
-from memfit.search.plan import Candidate, Plan, check_target, plan
+from memfit.search.candidates import Candidate, check_target
+from memfit.search.plan import Plan, plan
 from memfit.units import format_size
 from memfit.workload import load_workload
 

@@ -31,9 +31,10 @@ from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
 from memfit.run.settings import Checkpointing, Precision, Settings
 from memfit.run.strategy import Shard
+from memfit.search.candidates import Candidate, check_target
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom
 from memfit.search.lock import Lock, Measured, write_lock
-from memfit.search.plan import Candidate, Plan, check_target, plan
+from memfit.search.plan import Plan, plan
 from memfit.search.trials import TrialKind, trial_line
 from memfit.units import format_size
 from memfit.workload import Workload, load_workload

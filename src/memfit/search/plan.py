@@ -53,17 +53,18 @@ on the card's published peaks; accumulation and the optimizer step included): th
 ``sim:RTX 3090``, or the documented default of ``sim:SIZE``
 (:data:`memfit.estimator.speed.DEFAULT_SPEED_GPU`).
 
->>> [c.micro_batch_size for c in candidates(12, precisions=["fp32"], checkpointing=["none"])]
-[12, 6, 4, 3, 2, 1]
+Where each part lives: the candidates, their groups, dominance and the Pareto front in
+:mod:`memfit.search.candidates`; the estimator's limit, the trials, failures and the
+confirmation on the device in :mod:`memfit.search.plan_trials`; the reason, the advice
+and "nothing fits" in :mod:`memfit.search.plan_text`. This module holds the entry point:
+:func:`plan` checks and resolves its arguments once into a
+:class:`~memfit.search.candidates.PlanRequest`, then weighs the groups in order.
 """
 
 from __future__ import annotations
 
-import math
-import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -71,272 +72,49 @@ from torch import nn
 from memfit import distributed
 from memfit._html import HtmlRepr
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.memory.devices import Device, SimDevice
+from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU
-from memfit.memory.oom import is_oom, release_cached_memory
-from memfit.run.measure import Measurement, measure, non_finite_loss_message
-from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
-from memfit.run.strategy import SHARDS, Shard, check_strategy, describe
+from memfit.run.measure import Measurement
+from memfit.run.settings import PRECISIONS, Checkpointing, Precision, Settings
+from memfit.run.strategy import Shard
+from memfit.search.candidates import (
+    Candidate,
+    Group,
+    PlanRequest,
+    Speed,
+    check_target,
+    checkpointing_modes,
+    dominates,
+    group_of,
+    measured_speed,
+    pareto_front,
+    predicted_speed_of,
+    recommended_candidate,
+    strategies,
+)
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom
+from memfit.search.plan_text import nothing_fits_message, plan_advice, reason, why_this_strategy
+from memfit.search.plan_trials import (
+    Failures,
+    Predictor,
+    Progress,
+    SpeedPredictor,
+    Trial,
+    confirm_on_device,
+    estimated_limit,
+    estimated_max_micro_batch,
+    one_line,
+    predicted_speed,
+    rehearsing,
+    speed_card,
+    status_of,
+    trial,
+)
 from memfit.search.trials import TrialKind, Trials, choose_trials
-from memfit.units import format_size
 from memfit.workload import Workload, load_workload
 
-__all__ = [
-    "plan",
-    "Plan",
-    "Candidate",
-    "candidates",
-    "check_target",
-    "MAX_TARGET_BATCH",
-    "divisors",
-    "dominates",
-    "pareto_front",
-    "advice",
-    "strategies",
-    "strategy_cost",
-    "Strategy",
-]
-
-#: how much faster one setting must be to be called faster, not noise
-SPEED_TOLERANCE = 0.02
-#: the largest target batch memfit plans for (2**24 samples per optimizer step). Why a
-#: bound: every divisor of the target is a micro-batch to consider; below 2**24 no number
-#: has more than 504 divisors (14,414,400 has the most), so a plan weighs at most
-#: 6 x 504 candidates, and a typing slip (99999999999999) is refused at once
-MAX_TARGET_BATCH = 2**24
-
-
-def divisors(n: int) -> list[int]:
-    """Every divisor of ``n``, largest first, in O(sqrt(n)) steps.
-
-    >>> divisors(12)
-    [12, 6, 4, 3, 2, 1]
-    """
-    small: list[int] = []
-    large: list[int] = []
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            small.append(d)
-            if d != n // d:
-                large.append(n // d)
-    return large + small[::-1]
-
-
-def check_target(target_batch_size: int, world_size: int = 1) -> None:
-    """Refuse a target batch memfit cannot plan for, in one line (before any work).
-
-    Args:
-        target_batch_size: samples per optimizer step over all ranks.
-        world_size: ranks sharing it; the target must be a multiple of it.
-    """
-    if target_batch_size < 1:
-        raise MemfitError(f"invalid target batch {target_batch_size}: must be at least 1")
-    if target_batch_size > MAX_TARGET_BATCH:
-        raise MemfitError(
-            f"target batch {target_batch_size} is above the largest memfit plans for "
-            f"({MAX_TARGET_BATCH:,} = 2**24 samples per optimizer step)"
-        )
-    if world_size < 1:
-        raise MemfitError(f"invalid world size {world_size}: must be at least 1")
-    if target_batch_size % world_size:
-        raise MemfitError(
-            f"target batch {target_batch_size} cannot be split over {world_size} processes: "
-            f"choose a multiple of {world_size}, such as {_nearest_multiple(target_batch_size, world_size)}"
-        )
-
-
-#: a sharding strategy: (shard, shard group size or None)
-Strategy = tuple[Shard, "int | None"]
-
-
-def strategies(
-    world_size: int, shards: Sequence[Shard] | None = None, gpus_per_node: int | None = None
-) -> list[Strategy]:
-    """The strategies a plan for ``world_size`` ranks considers, least communication first.
-
-    One rank: none. Several: ``shards`` (default: all four), and with ``gpus_per_node``
-    (less than the world size, dividing it) hybrid sharding within a node for the FSDP2
-    strategies.
-
-    >>> strategies(16, gpus_per_node=8)
-    [('none', None), ('optimizer', None), ('gradients', 8), ('full', 8), ('gradients', None), ('full', None)]
-    """
-    if world_size <= 1:
-        return [("none", None)]
-    chosen = list(shards or SHARDS)
-    found: list[Strategy] = [(shard, None) for shard in chosen]
-    if gpus_per_node is not None and 1 < gpus_per_node < world_size and world_size % gpus_per_node == 0:
-        found += [(shard, gpus_per_node) for shard in chosen if shard in ("gradients", "full")]
-    return sorted(found, key=strategy_cost)
-
-
-def strategy_cost(strategy: Strategy) -> int:
-    """Communication, least first: DDP, ZeRO-1 (adds a parameter broadcast), hybrid sharding
-    (all-gathers within a node), FSDP2 across every rank; keeping full parameters from
-    forward to backward saves backward's all-gathers."""
-    shard, group = strategy
-    base = {"none": 0, "optimizer": 1, "gradients": 2, "full": 3}[shard]
-    return base if shard in ("none", "optimizer") or group is not None else base + 2
-
-
-def candidates(
-    target_batch_size: int,
-    *,
-    world_size: int = 1,
-    precisions: Sequence[Precision] = PRECISIONS,
-    checkpointing: Sequence[Checkpointing] = CHECKPOINTING,
-    strategies: Sequence[Strategy] = (("none", None),),
-) -> list[Settings]:
-    """Every Settings whose micro-batch x accumulation x world size is the target exactly.
-
-    Why exact: a plan that changes the global batch changes the training (learning-rate
-    schedule, convergence), which is the user's decision, not memfit's.
-    """
-    check_target(target_batch_size, world_size)
-    per_rank = target_batch_size // world_size
-    for shard, group in strategies:
-        check_strategy(shard, world_size, group)
-    return [
-        Settings(
-            precision=p,
-            checkpointing=c,
-            micro_batch_size=m,
-            accumulation_steps=per_rank // m,
-            world_size=world_size,
-            shard=shard,
-            shard_group_size=group,
-        )
-        for shard, group in strategies
-        for p in precisions
-        for c in checkpointing
-        for m in divisors(per_rank)
-    ]
-
-
-def _nearest_multiple(n: int, k: int) -> int:
-    down = n - n % k
-    return down if down >= k else k
-
-
-def dominates(a: Settings, b: Settings) -> bool:
-    """True when ``a`` is at least as fast as ``b`` by construction: the same precision, a
-    micro-batch at least as large, no more recomputation and no more sharding."""
-    assert a.micro_batch_size is not None and b.micro_batch_size is not None
-    return (
-        a.precision == b.precision
-        and a.micro_batch_size >= b.micro_batch_size
-        and CHECKPOINTING.index(a.checkpointing) <= CHECKPOINTING.index(b.checkpointing)
-        and _cost(a) <= _cost(b)
-        and a != b
-    )
-
-
-def _cost(s: Settings) -> int:
-    return strategy_cost((s.shard, s.shard_group_size)) if s.world_size > 1 else 0
-
-
-@dataclass
-class Candidate:
-    """One candidate and what the plan learnt about it."""
-
-    settings: Settings
-    #: "measured", "out of memory", "over headroom" (fits, but above (1 - headroom) of the
-    #: device), "too large (estimate)", "dominated", "not run", or "failed: <why>" (an
-    #: error other than out of memory)
-    status: str
-    predicted_max_micro_batch: int | None = None
-    measurement: Measurement | None = None
-    samples_per_second: float | None = None
-    #: the predicted step on the plan's card (see the module): what ranks a simulated GPU's candidates
-    predicted_seconds_per_step: float | None = None
-    predicted_samples_per_second: float | None = None
-
-    @property
-    def fits(self) -> bool:
-        return self.status == "measured"
-
-    def to_dict(self) -> dict[str, Any]:
-        m = self.measurement
-        return {
-            **self.settings.to_dict(),
-            "status": self.status,
-            "fits": self.fits if m is not None else None,
-            "peak_allocated": m.peak_allocated if m else None,
-            "peak_reserved": m.peak_reserved if m else None,
-            "samples_per_second": self.samples_per_second,
-            "predicted_seconds_per_step": self.predicted_seconds_per_step,
-            "predicted_samples_per_second": self.predicted_samples_per_second,
-            "predicted_max_micro_batch": self.predicted_max_micro_batch,
-            "fake": m.fake if m is not None else None,
-        }
-
-
-def _measured_speed(c: Candidate) -> float | None:
-    return c.samples_per_second
-
-
-def _predicted_speed(c: Candidate) -> float | None:
-    return c.predicted_samples_per_second
-
-
-def pareto_front(
-    measured: Sequence[Candidate], speed: Callable[[Candidate], float | None] = _measured_speed
-) -> list[Candidate]:
-    """The measured candidates no other beats on both memory (lower) and speed (higher).
-
-    ``speed``: the speed that counts (measured by default; the predicted one on a
-    simulated GPU).
-    """
-    front = []
-    for c in measured:
-        assert c.measurement is not None and speed(c) is not None
-        beaten = any(
-            o is not c
-            and o.measurement is not None
-            and speed(o) is not None
-            and o.measurement.peak_reserved <= c.measurement.peak_reserved
-            and (speed(o) or 0.0) >= (speed(c) or 0.0)
-            and (o.measurement.peak_reserved < c.measurement.peak_reserved or (speed(o) or 0.0) > (speed(c) or 0.0))
-            for o in measured
-        )
-        if not beaten:
-            front.append(c)
-    return sorted(front, key=lambda c: c.measurement.peak_reserved)  # type: ignore[union-attr]
-
-
-def advice(
-    *,
-    target_batch_size: int,
-    micro_batch_size: int | None,
-    reference_batch_size: int | None = None,
-    has_batchnorm: bool = False,
-    world_size: int = 1,
-    variable_shapes: bool = False,
-    cudnn_benchmark: bool = False,
-) -> list[str]:
-    """Rules of thumb that apply to the chosen settings, one sentence each."""
-    notes = []
-    if reference_batch_size and reference_batch_size != target_batch_size:
-        ratio = target_batch_size / reference_batch_size
-        notes.append(
-            f"The global batch {target_batch_size} is {ratio:g}x the reference {reference_batch_size}: "
-            f"scale the learning rate by {ratio:g} (linear rule, SGD-style) or {ratio**0.5:.3g} "
-            "(square-root rule, Adam-style), with warm-up; this is advice, check it on your task."
-        )
-    if has_batchnorm and micro_batch_size is not None and micro_batch_size < 16:
-        fix = "SyncBatchNorm across ranks" if world_size > 1 else "GroupNorm"
-        notes.append(
-            f"The model has BatchNorm and the micro-batch is {micro_batch_size} (< 16): its batch "
-            f"statistics get noisy; consider {fix}."
-        )
-    if variable_shapes and cudnn_benchmark:
-        notes.append(
-            "torch.backends.cudnn.benchmark is on and input shapes vary: each new shape re-tunes "
-            "and may pick a workspace-hungry algorithm; turn it off or pad to fixed shapes."
-        )
-    return notes
+__all__ = ["plan", "Plan", "PlanHooks"]
 
 
 @dataclass
@@ -367,7 +145,7 @@ class Plan(HtmlRepr):
 
     @property
     def pareto(self) -> list[Candidate]:
-        speed = _predicted_speed if self.ranked_by == "predicted" else _measured_speed
+        speed = predicted_speed_of if self.ranked_by == "predicted" else measured_speed
         return pareto_front([c for c in self.candidates if c.fits], speed)
 
     @property
@@ -398,99 +176,30 @@ class Plan(HtmlRepr):
         }
 
 
-#: (workload, settings, device, largest micro-batch of interest) -> largest that fits, or None
-Predictor = Callable[[Workload, Settings, Device, int], "int | None"]
-Trial = Callable[[Workload, Settings, Device], Measurement]
-#: (workload, settings, card) -> predicted (seconds per step, samples/s) on one device
-SpeedPredictor = Callable[[Workload, Settings, GPU], "tuple[float, float]"]
+@dataclass(frozen=True)
+class PlanHooks:
+    """How a plan learns about its candidates (the seams of :func:`plan`'s keywords)."""
+
+    #: the largest micro-batch that fits for a group of settings (None: run every candidate)
+    predictor: Predictor | None = estimated_max_micro_batch
+    run_trial: Trial = trial
+    progress: Progress | None = None
+    predict_speed: SpeedPredictor = predicted_speed
+    #: receives one line when trials fall back to real runs, and why
+    say: Callable[[str], None] | None = None
 
 
-def estimated_max_micro_batch(workload: Workload, settings: Settings, device: Device, limit: int) -> int | None:
-    """The estimator's largest micro-batch up to ``limit`` for these settings on this
-    device (None: the device's memory is unknown)."""
-    return _estimated_limit(workload, settings, device, limit)[0]
+@dataclass
+class _Ledger:
+    """What the plan has learnt so far: each candidate, the trials run, what could not run."""
 
-
-def _estimated_limit(
-    workload: Workload, settings: Settings, device: Device, limit: int
-) -> tuple[int | None, int | None]:
-    """:func:`estimated_max_micro_batch`, and the rank its trace found heaviest at that
-    micro-batch (None for one rank, or when nothing fits)."""
-    if device.capacity is None:
-        return None, None
-    from memfit.estimator.estimate import estimate
-
-    probe_settings = settings.replace(micro_batch_size=None, accumulation_steps=1)
-    found = estimate(workload, None, probe_settings, device=device, search_limit=limit, speed=False)
-    heaviest = found.rank if found.world_size > 1 and found.max_batch_size else None
-    return found.max_batch_size, heaviest
-
-
-def predicted_speed(workload: Workload, settings: Settings, card: GPU) -> tuple[float, float]:
-    """The estimator's predicted (seconds per step, samples/s) of the settings on ``card``
-    (for several ranks, one rank's computation: communication is not predicted)."""
-    from memfit.estimator.speed import step_time
-
-    one_rank = settings.replace(world_size=1, shard="none", shard_group_size=None)
-    time = step_time(workload, one_rank, card)
-    return time.seconds_per_step, time.samples_per_second
-
-
-def trial(workload: Workload, settings: Settings, device: Device) -> Measurement:
-    """Two optimizer steps of one micro-batch: memory and speed of the candidate."""
-    assert settings.micro_batch_size is not None
-    return measure(workload, settings.micro_batch_size, device, settings.replace(accumulation_steps=1), steps=2)
-
-
-def _group_order(
-    precisions: Sequence[Precision], checkpointing: Sequence[Checkpointing], axis: Sequence[Strategy]
-) -> list[tuple[Precision, Checkpointing, Strategy]]:
-    return [(p, c, strategy) for strategy in axis for c in checkpointing for p in precisions]
-
-
-def _group(s: Settings) -> tuple[Precision, Checkpointing, Strategy]:
-    return (s.precision, s.checkpointing, (s.shard, s.shard_group_size))
-
-
-@contextmanager
-def _rehearsing(
-    workload: Workload,
-    shape: Settings,
-    run_trial: Trial,
-    device: Device,
-    limit: int | None,
-    heaviest: int | None = None,
-) -> Iterator[None]:
-    """For several ranks, the default trials run inside a rehearsal of the heaviest rank:
-    ``heaviest`` when the group's estimate gave it, else the one the estimate's trace (every
-    distinct rank) finds peaking highest at the group's largest micro-batch, else the one
-    holding the most parameter bytes."""
-    if shape.world_size <= 1 or run_trial is not trial:
-        yield
-        return
-    from memfit.estimator.rehearsal import rehearsal
-
-    if heaviest is None:
-        heaviest = _heaviest_rank_at(workload, shape, device, limit)
-    with rehearsal(workload, shape, heaviest):
-        yield
-
-
-def _heaviest_rank_at(workload: Workload, shape: Settings, device: Device, limit: int | None) -> int | None:
-    """The rank the traced estimate finds heaviest at micro-batch ``limit`` (None: unknown).
-
-    Why: under ZeRO-1 or FSDP2 with uneven shards the rank holding the most state is not
-    always the one that reserves the most (the allocator places small tensors differently).
-    """
-    if limit is None or limit < 1 or device.capacity is None:
-        return None
-    from memfit.estimator.estimate import estimate
-
-    one_step = shape.replace(micro_batch_size=None, accumulation_steps=1)
-    try:
-        return estimate(workload, limit, one_step, device=device, search=False, speed=False).rank
-    except Exception:  # noqa: BLE001 - only the choice of rank is lost; the trials follow
-        return None
+    results: dict[Settings, Candidate]
+    #: the card whose predicted speed ranks (None once a prediction failed: the measured speed ranks)
+    card: GPU | None
+    failures: Failures = field(default_factory=Failures)
+    trial_steps: int = 0
+    estimate_error: str | None = None
+    speed_error: str | None = None
 
 
 def plan(
@@ -555,6 +264,35 @@ def plan(
         DoesNotFitError: no candidate fits within the headroom.
         MemfitError: a bad target or headroom; a trial whose loss is NaN or infinite.
     """
+    request = _resolve(
+        workload,
+        target_batch_size,
+        device,
+        world_size=world_size,
+        precisions=precisions,
+        checkpointing=checkpointing,
+        strategy_axis=(shards, gpus_per_node),
+        reference_batch_size=reference_batch_size,
+        headroom=headroom,
+        speed_gpu=speed_gpu,
+    )
+    return _plan(request, PlanHooks(predictor, run_trial, progress, predict_speed, say), trials)
+
+
+def _resolve(
+    workload: Workload | str,
+    target_batch_size: int,
+    device: Device | str,
+    *,
+    world_size: int,
+    precisions: Sequence[Precision] | None,
+    checkpointing: Sequence[Checkpointing] | None,
+    strategy_axis: tuple[Sequence[Shard] | None, int | None],
+    reference_batch_size: int | None,
+    headroom: float,
+    speed_gpu: str | GPU | None,
+) -> PlanRequest:
+    """Check the arguments (one line each, before any work) and resolve them into a request."""
     check_target(target_batch_size, world_size)
     check_headroom(headroom)
     if world_size > 1 and distributed.is_distributed():
@@ -564,403 +302,182 @@ def plan(
         )
     wl = load_workload(workload)
     gpu = make_device(device)
-    budget = math.floor((1 - headroom) * gpu.capacity) if gpu.capacity else None
-    card = _speed_card(gpu, speed_gpu)
-    precisions = [
-        p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)
-    ]
+    card = speed_card(gpu, speed_gpu)
+    usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
     model = wl.build_model()
-    checkpointing = list(checkpointing or _checkpointing_modes(model))
+    modes = list(checkpointing or checkpointing_modes(model))
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
-    axis = strategies(world_size, shards, gpus_per_node)
-    pool = candidates(
-        target_batch_size, world_size=world_size, precisions=precisions, checkpointing=checkpointing, strategies=axis
+    return PlanRequest(
+        workload=wl,
+        device=gpu,
+        target_batch_size=target_batch_size,
+        world_size=world_size,
+        precisions=tuple(usable),
+        checkpointing=tuple(modes),
+        axis=tuple(strategies(world_size, *strategy_axis)),
+        headroom=headroom,
+        reference_batch_size=reference_batch_size,
+        has_batchnorm=has_batchnorm,
+        card=card,
     )
-    results = {s: Candidate(s, "not run") for s in pool}
-    # The one place that chooses what a trial runs: a trial given by the caller as it is,
-    # else fake tensors where they stand in for the device (memfit.search.trials).
-    on_device = (
-        None
-        if run_trial is not trial
-        else choose_trials(trials, wl, gpu, Settings(world_size=world_size), steps=2, say=say)
-    )
-    if on_device is not None and on_device.fake:
-        fake_trials = on_device
-        if predictor is estimated_max_micro_batch:
-            # The estimator's search is a series of the same fake runs; a fake trial per
-            # candidate, largest first, answers the same question with fewer of them.
-            predictor = None
 
-        def run_trial(_wl: Workload, s: Settings, _gpu: Device) -> Measurement:
-            assert s.micro_batch_size is not None
-            return fake_trials(s.micro_batch_size, s.replace(accumulation_steps=1))
 
-    per_rank = target_batch_size // world_size
-    trial_steps = 0
-    estimate_error: str | None = None
-    speed_error: str | None = None
-    failures = _Failures()
-    for group in _group_order(precisions, checkpointing, axis):
-        members = [s for s in pool if _group(s) == group]
-        # A group whose every candidate a measured one already beats costs nothing.
-        for s in members:
-            if any(o.fits and dominates(o.settings, s) for o in results.values()):
-                results[s].status = "dominated"
-        if all(results[s].status == "dominated" for s in members):
-            continue
-        precision, ckpt, (shard, group_size) = group
-        shape = Settings(
-            precision=precision, checkpointing=ckpt, world_size=world_size, shard=shard, shard_group_size=group_size
-        )
-        limit = heaviest = None
-        if predictor is not None and estimate_error is None:
-            try:
-                if predictor is estimated_max_micro_batch:
-                    # the same trace says which rank peaks highest there (several ranks)
-                    limit, heaviest = _estimated_limit(wl, shape, gpu, per_rank)
-                else:
-                    limit = predictor(wl, shape, gpu, per_rank)
-            except Exception as error:  # noqa: BLE001 - the estimate only prunes; trials decide
-                # Why go on: an operation fake tensors cannot run (a value read in the
-                # step) stops the estimate, not the trials; a bug in the step shows up
-                # unchanged in the first trial.
-                estimate_error = _one_line(error)
-        with _rehearsing(wl, shape, run_trial, gpu, limit, heaviest):
-            for s in members:
-                c = results[s]
-                c.predicted_max_micro_batch = limit
-                if c.status != "not run":
-                    continue
-                if limit is not None and s.micro_batch_size is not None and s.micro_batch_size > limit:
-                    c.status = "too large (estimate)"
-                    continue
-                if any(o.fits and dominates(o.settings, s) for o in results.values()):
-                    c.status = "dominated"
-                    continue
-                c.measurement = failures.run(run_trial, wl, s, gpu)
-                trial_steps += 2
-                c.status = _status(c.measurement, budget, failures.last_reason)
-                if c.fits:
-                    assert c.measurement is not None
-                    sps = c.measurement.samples_per_second
-                    c.samples_per_second = None if sps is None else sps * world_size
-                    if card is not None:
-                        try:
-                            seconds, samples = predict_speed(wl, s, card)
-                        except MemfitError as error:
-                            # Fake tensors cannot run this step (a value read in forward): no
-                            # predicted speed for any candidate; the measured one ranks, and says so.
-                            speed_error, card = _one_line(error), None
-                        else:
-                            c.predicted_seconds_per_step = seconds
-                            c.predicted_samples_per_second = samples * world_size
-                if progress:
-                    progress(c)
-
-    failures.raise_if_every_trial_failed()
-    measured = [c for c in results.values() if c.fits]
-    if card is None:
-        for c in results.values():  # none, or a partial ranking: the measured speed ranks all
+def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
+    """Weigh every group of candidates, confirm fake trials on the device, recommend."""
+    on_device, hooks = _trials_for(request, hooks, kind)
+    ledger = _Ledger({s: Candidate(s, "not run") for s in request.pool()}, card=request.card)
+    for group in request.groups():
+        _weigh_group(request, hooks, ledger, group)
+    ledger.failures.raise_if_every_trial_failed()
+    measured = [c for c in ledger.results.values() if c.fits]
+    if ledger.card is None:
+        for c in ledger.results.values():  # none, or a partial ranking: the measured speed ranks all
             c.predicted_seconds_per_step = c.predicted_samples_per_second = None
-    speed = _measured_speed if card is None else _predicted_speed
+    speed = measured_speed if ledger.card is None else predicted_speed_of
     if on_device is not None and any(c.measurement is not None and c.measurement.fake for c in measured):
-        confirmed = _confirm_on_device(measured, on_device, world_size, budget, progress, speed)
+        confirmed = confirm_on_device(measured, on_device, request, hooks.progress, speed)
         if confirmed is None:
-            again = plan(
-                wl,
-                target_batch_size,
-                gpu,
-                world_size=world_size,
-                precisions=precisions,
-                checkpointing=checkpointing,
-                shards=shards,
-                gpus_per_node=gpus_per_node,
-                reference_batch_size=reference_batch_size,
-                headroom=headroom,
-                predictor=predictor,
-                progress=progress,
-                speed_gpu=speed_gpu,
-                predict_speed=predict_speed,
-                trials="real",
+            again = _plan(
+                request,
+                PlanHooks(predictor=hooks.predictor, progress=hooks.progress, predict_speed=hooks.predict_speed),
+                "real",
             )
             again.trials_note = on_device.note
             return again
-        trial_steps += confirmed
-    ordered = list(results.values())
-    if not measured:
-        raise DoesNotFitError(_nothing_fits_message(target_batch_size, pool, ordered, gpu, headroom, failures))
-    best = _recommend(measured, speed)
-    chosen = best.settings
-    notes = advice(
-        target_batch_size=target_batch_size,
-        micro_batch_size=chosen.micro_batch_size,
-        reference_batch_size=reference_batch_size,
-        has_batchnorm=has_batchnorm,
-        world_size=world_size,
+        ledger.trial_steps += confirmed
+    return _result(request, ledger, measured, speed, on_device)
+
+
+def _trials_for(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> tuple[Trials | None, PlanHooks]:
+    """The one place that chooses what a trial runs: a trial given by the caller as it is,
+    else fake tensors where they stand in for the device (:mod:`memfit.search.trials`)."""
+    if hooks.run_trial is not trial:
+        return None, hooks
+    on_device = choose_trials(
+        kind, request.workload, request.device, Settings(world_size=request.world_size), steps=2, say=hooks.say
     )
-    if per_rank > 1 and len(divisors(per_rank)) == 2 and chosen.micro_batch_size == 1:
-        notes.append(
-            f"{per_rank} is prime, so only micro-batch 1 reaches it exactly; a target of "
-            f"{(per_rank - 1) * world_size} or {(per_rank + 1) * world_size} allows larger micro-batches."
-        )
-    if failures.count:
-        notes.append(
-            f"{failures.count} candidate(s) failed for a reason other than memory and were skipped "
-            f"(first: {failures.first_reason})."
-        )
+    if not on_device.fake:
+        return on_device, hooks
+    fake_trials = on_device
+
+    def run_fake(_wl: Workload, s: Settings, _gpu: Device) -> Measurement:
+        assert s.micro_batch_size is not None
+        return fake_trials(s.micro_batch_size, s.replace(accumulation_steps=1))
+
+    # The estimator's search is a series of the same fake runs; a fake trial per
+    # candidate, largest first, answers the same question with fewer of them.
+    predictor = None if hooks.predictor is estimated_max_micro_batch else hooks.predictor
+    return on_device, replace(hooks, predictor=predictor, run_trial=run_fake)
+
+
+def _weigh_group(request: PlanRequest, hooks: PlanHooks, ledger: _Ledger, group: Group) -> None:
+    """One group: skipped when measured candidates dominate it, else pruned by the
+    estimator's limit and tried from the largest micro-batch down."""
+    members = [s for s in ledger.results if group_of(s) == group]
+    # A group whose every candidate a measured one already beats costs nothing.
+    for s in members:
+        if any(o.fits and dominates(o.settings, s) for o in ledger.results.values()):
+            ledger.results[s].status = "dominated"
+    if all(ledger.results[s].status == "dominated" for s in members):
+        return
+    precision, ckpt, (shard, group_size) = group
+    shape = Settings(
+        precision=precision,
+        checkpointing=ckpt,
+        world_size=request.world_size,
+        shard=shard,
+        shard_group_size=group_size,
+    )
+    limit, heaviest = _group_limit(request, hooks, ledger, shape)
+    with rehearsing(request, shape, hooks.run_trial, limit, heaviest):
+        for s in members:
+            _weigh(request, hooks, ledger, ledger.results[s], limit)
+
+
+def _group_limit(
+    request: PlanRequest, hooks: PlanHooks, ledger: _Ledger, shape: Settings
+) -> tuple[int | None, int | None]:
+    """The group's largest micro-batch by the predictor, and (the default estimator, several
+    ranks) the rank its trace found heaviest there; (None, None) when it cannot say."""
+    if hooks.predictor is None or ledger.estimate_error is not None:
+        return None, None
+    try:
+        if hooks.predictor is estimated_max_micro_batch:
+            # the same trace says which rank peaks highest there (several ranks)
+            return estimated_limit(request.workload, shape, request.device, request.per_rank)
+        return hooks.predictor(request.workload, shape, request.device, request.per_rank), None
+    except Exception as error:  # noqa: BLE001 - the estimate only prunes; trials decide
+        # Why go on: an operation fake tensors cannot run (a value read in the step)
+        # stops the estimate, not the trials; a bug in the step shows up unchanged in
+        # the first trial.
+        ledger.estimate_error = one_line(error)
+        return None, None
+
+
+def _weigh(request: PlanRequest, hooks: PlanHooks, ledger: _Ledger, c: Candidate, limit: int | None) -> None:
+    """One candidate: too large by the estimate, dominated by a measured one, or tried."""
+    s = c.settings
+    c.predicted_max_micro_batch = limit
+    if c.status != "not run":
+        return
+    if limit is not None and s.micro_batch_size is not None and s.micro_batch_size > limit:
+        c.status = "too large (estimate)"
+        return
+    if any(o.fits and dominates(o.settings, s) for o in ledger.results.values()):
+        c.status = "dominated"
+        return
+    c.measurement = ledger.failures.run(hooks.run_trial, request.workload, s, request.device)
+    ledger.trial_steps += 2
+    c.status = status_of(c.measurement, request.budget, ledger.failures.last_reason)
+    if c.fits:
+        _record_speed(request, hooks, ledger, c)
+    if hooks.progress:
+        hooks.progress(c)
+
+
+def _record_speed(request: PlanRequest, hooks: PlanHooks, ledger: _Ledger, c: Candidate) -> None:
+    """A fitting candidate's measured speed, and its predicted one on the plan's card."""
+    assert c.measurement is not None
+    sps = c.measurement.samples_per_second
+    c.samples_per_second = None if sps is None else sps * request.world_size
+    if ledger.card is None:
+        return
+    try:
+        seconds, samples = hooks.predict_speed(request.workload, c.settings, ledger.card)
+    except MemfitError as error:
+        # Fake tensors cannot run this step (a value read in forward): no predicted
+        # speed for any candidate; the measured one ranks, and says so.
+        ledger.speed_error, ledger.card = one_line(error), None
+    else:
+        c.predicted_seconds_per_step = seconds
+        c.predicted_samples_per_second = samples * request.world_size
+
+
+def _result(
+    request: PlanRequest, ledger: _Ledger, measured: list[Candidate], speed: Speed, on_device: Trials | None
+) -> Plan:
+    """The plan: the recommendation among the candidates that fit, or why none does."""
+    ordered = list(ledger.results.values())
+    if not measured:
+        raise DoesNotFitError(nothing_fits_message(request, ordered, ledger.failures))
+    best = recommended_candidate(measured, speed)
+    card = ledger.card
     return Plan(
-        workload=wl.name,
-        device=gpu.spec,
-        capacity=gpu.capacity,
-        target_batch_size=target_batch_size,
-        world_size=world_size,
+        workload=request.workload.name,
+        device=request.device.spec,
+        capacity=request.device.capacity,
+        target_batch_size=request.target_batch_size,
+        world_size=request.world_size,
         candidates=ordered,
         recommended=best,
-        reason=_reason(best, measured, gpu, speed, card) + _why_this_strategy(best, ordered, axis),
-        advice=notes,
-        trial_steps=trial_steps,
-        headroom=headroom,
-        estimate_error=estimate_error,
+        reason=reason(best, measured, request.device, speed, card) + why_this_strategy(best, ordered, request.axis),
+        advice=plan_advice(request, best.settings, ledger.failures),
+        trial_steps=ledger.trial_steps,
+        headroom=request.headroom,
+        estimate_error=ledger.estimate_error,
         ranked_by="measured" if card is None else "predicted",
         speed_gpu=None if card is None else card.name,
-        speed_error=speed_error,
+        speed_error=ledger.speed_error,
         trials_note=on_device.note if on_device is not None else None,
-    )
-
-
-def _one_line(error: BaseException) -> str:
-    """``Type: first line of the message``, for a status or a summary."""
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-
-
-class _Failures:
-    """Trials that raised an error other than out of memory: counted, the first one kept.
-
-    Why keep the first with its traceback: when every trial fails so, the plan cannot say
-    anything and the user's own error is the answer (re-raised as it was). Why clear its
-    frames: the traceback's frames hold the failed step's tensors, which would otherwise
-    stay allocated on the device through every later trial.
-    """
-
-    def __init__(self) -> None:
-        self.first: Exception | None = None
-        self.count = 0
-        self.trials = 0
-        self.last_reason: str | None = None
-
-    @property
-    def first_reason(self) -> str:
-        return _one_line(self.first) if self.first is not None else ""
-
-    def run(self, run_trial: Trial, workload: Workload, settings: Settings, device: Device) -> Measurement | None:
-        """One trial; None when it failed for a reason other than memory."""
-        self.trials += 1
-        self.last_reason = None
-        failed = False
-        try:
-            measurement = run_trial(workload, settings, device)
-        except Exception as error:
-            if is_oom(error):
-                raise  # run_trial reports memory as a result; an OOM here is a bug to show
-            failed = True
-            self.count += 1
-            self.last_reason = _one_line(error)
-            if self.first is None:
-                traceback.clear_frames(error.__traceback__)
-                self.first = error
-        if failed:
-            release_cached_memory()  # outside the except block: the failed step's tensors go
-            device.empty_cache()
-            return None
-        if measurement.fits and not measurement.finite_loss:
-            raise MemfitError(
-                non_finite_loss_message(workload.name, measurement.batch_size, measurement.loss or math.nan)
-                + (
-                    f" (micro-batch {settings.micro_batch_size} in {settings.precision}; "
-                    f"if only {settings.precision} gives it, leave it out with --precision)"
-                    if settings.precision != "fp32"
-                    else f" (micro-batch {settings.micro_batch_size})"
-                )
-            )
-        return measurement
-
-    def raise_if_every_trial_failed(self) -> None:
-        if self.first is not None and self.count == self.trials:
-            raise self.first
-
-
-def _status(measurement: Measurement | None, budget: int | None, failure: str | None) -> str:
-    if measurement is None:
-        return f"failed: {failure}"
-    if not measurement.fits:
-        return "out of memory"
-    if budget is not None and measurement.peak_reserved > budget:
-        return "over headroom"
-    return "measured"
-
-
-def _nothing_fits_message(
-    target: int,
-    pool: Sequence[Settings],
-    ordered: Sequence[Candidate],
-    gpu: Device,
-    headroom: float,
-    failures: _Failures,
-) -> str:
-    over = [c for c in ordered if c.status == "over headroom" and c.measurement is not None]
-    failed = f"; {failures.count} candidate(s) failed for another reason (first: {failures.first_reason})"
-    failed = failed if failures.count else ""
-    if over:
-        least = min(over, key=lambda c: c.measurement.peak_reserved)  # type: ignore[union-attr]
-        assert least.measurement is not None and gpu.capacity
-        share = least.measurement.peak_reserved / gpu.capacity
-        return (
-            f"no settings reach batch {target} on {gpu.describe()} within the {headroom:.0%} headroom: "
-            f"the least memory, micro-batch {least.settings.micro_batch_size} with {_describe(least.settings)}, "
-            f"reserves {share:.1%} of it; lower the headroom or the target{failed}"
-        )
-    smallest = min(pool, key=lambda s: (s.micro_batch_size, CHECKPOINTING.index(s.checkpointing)))
-    return (
-        f"no settings reach batch {target} on {gpu.describe()}: even micro-batch "
-        f"{smallest.micro_batch_size} with {_describe(smallest)} runs out of memory{failed}"
-    )
-
-
-def _speed_card(gpu: Device, named: str | GPU | None) -> GPU | None:
-    """The card whose predicted speed ranks the candidates, or None to rank by measurement."""
-    if named is None and not isinstance(gpu, SimDevice):
-        return None
-    from memfit.estimator.speed import speed_gpu
-
-    if named is not None:
-        return speed_gpu(named)
-    return speed_gpu(gpu.gpu if isinstance(gpu, SimDevice) else None)
-
-
-def _confirm_on_device(
-    measured: list[Candidate],
-    trials: Trials,
-    world_size: int,
-    budget: int | None,
-    progress: Callable[[Candidate], None] | None,
-    speed: Callable[[Candidate], float | None],
-) -> int | None:
-    """Run for real what fake trials cannot say; return the optimizer steps run (None: they disagreed).
-
-    Fake trials say what fits, not how fast. Candidates without the speed that ranks them
-    (``speed``: the predicted one on a simulated GPU; measured where none could be
-    predicted) are timed on the device, as every plan did before fake trials; then the
-    recommended candidate, if it still rests on a fake trial, runs for real too. A real run that does
-    not end as the fake one did (out of memory, over the headroom, an error, a loss that is
-    not finite) sends the caller back to plan on real trials, which report it as they do.
-    """
-    steps = 0
-
-    def run_for_real(c: Candidate) -> bool:
-        nonlocal steps
-        s = c.settings
-        assert s.micro_batch_size is not None and c.measurement is not None
-        problem = None
-        try:
-            real = trials.real(s.micro_batch_size, s.replace(accumulation_steps=1))
-        except Exception as error:  # noqa: BLE001 - the real-trial plan reports it, candidate by candidate
-            problem = _one_line(error)
-        steps += 2
-        if problem is None and (_status(real, budget, None) != "measured" or not real.finite_loss):
-            problem = (
-                "out of memory" if not real.fits else "over the headroom" if real.finite_loss else "a loss not finite"
-            )
-        if problem is not None:
-            trials.tell(
-                f"micro-batch {s.micro_batch_size} in {_describe(s)} fit on fake tensors but ran for real with "
-                f"{problem}: the plan ran again on real trials"
-            )
-            return False
-        if c.samples_per_second is None and real.samples_per_second is not None:
-            c.samples_per_second = real.samples_per_second * world_size
-        c.measurement = real
-        if progress:
-            progress(c)
-        return True
-
-    for c in [c for c in measured if speed(c) is None]:
-        if not run_for_real(c):
-            return None
-    best = _recommend(measured, speed)
-    if best.measurement is not None and best.measurement.fake and not run_for_real(best):
-        return None
-    return steps
-
-
-def _checkpointing_modes(model: nn.Module) -> list[Checkpointing]:
-    """Offer checkpointing only where the model has blocks to checkpoint."""
-    supported = getattr(model, "supports_gradient_checkpointing", False) or bool(find_blocks(model))
-    return list(CHECKPOINTING) if supported else ["none"]
-
-
-def _recommend(
-    measured: Sequence[Candidate], speed: Callable[[Candidate], float | None] = _measured_speed
-) -> Candidate:
-    """The fastest; among those within SPEED_TOLERANCE of it, the one that shards least
-    (its communication, which neither a rehearsal's time nor the prediction counts, is the
-    least), then the one using least memory."""
-    fastest = max(speed(c) or 0.0 for c in measured)
-    close = [c for c in measured if (speed(c) or 0.0) >= fastest * (1 - SPEED_TOLERANCE)]
-    return min(close, key=lambda c: (_cost(c.settings), c.measurement.peak_reserved))  # type: ignore[union-attr]
-
-
-def _describe(s: Settings) -> str:
-    ckpt = ", activation checkpointing" if s.checkpointing == "blocks" else ""
-    ranks = f", {describe(s.shard, s.world_size, s.shard_group_size)}" if s.world_size > 1 else ""
-    return f"{s.precision}{ckpt}{ranks}"
-
-
-def _why_this_strategy(best: Candidate, candidates: Sequence[Candidate], axis: Sequence[Strategy]) -> str:
-    """Why the recommendation shards as it does: what the strategies that shard less could not do."""
-    s = best.settings
-    if s.world_size <= 1:
-        return ""
-    mine = strategy_cost((s.shard, s.shard_group_size))
-    lines = []
-    for strategy in axis:
-        if strategy_cost(strategy) >= mine:
-            break
-        group = [c for c in candidates if (c.settings.shard, c.settings.shard_group_size) == strategy]
-        name = describe(strategy[0], s.world_size, strategy[1])
-        if any(c.fits for c in group):
-            lines.append(f"{name} fits but is slower")
-            continue
-        predicted = [c.predicted_max_micro_batch for c in group if c.predicted_max_micro_batch is not None]
-        if predicted and max(predicted) == 0:
-            lines.append(f"{name} does not fit even at micro-batch 1 (estimate, per rank)")
-        else:
-            lines.append(f"{name} does not fit at any micro-batch tried")
-    if not lines:
-        return f" Strategy: {describe(s.shard, s.world_size, s.shard_group_size)}, the least sharding."
-    return f" Strategy: {describe(s.shard, s.world_size, s.shard_group_size)}, because " + "; ".join(lines) + "."
-
-
-def _reason(
-    best: Candidate,
-    measured: Sequence[Candidate],
-    gpu: Device,
-    speed: Callable[[Candidate], float | None] = _measured_speed,
-    card: GPU | None = None,
-) -> str:
-    s = best.settings
-    assert best.measurement is not None
-    memory = format_size(best.measurement.peak_reserved)
-    if gpu.capacity:
-        memory += f" of {format_size(gpu.capacity)}"
-    others = len(measured) - 1
-    value = speed(best)
-    rate = f"{value:.1f} samples/s" if value else "the best speed"
-    if card is not None and value:
-        rate = f"{rate} predicted on the {card.name}"
-    return (
-        f"micro-batch {s.micro_batch_size} x {s.accumulation_steps} accumulation step(s) in {_describe(s)} "
-        f"is the fastest of {others + 1} setting(s) that fit ({rate}, peak {memory} reserved)"
-        + (" and uses the least memory of those within 2% of it." if others else ".")
     )
