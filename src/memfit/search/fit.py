@@ -240,112 +240,45 @@ def fit(
             simulated GPU its card, else :data:`memfit.estimator.speed.DEFAULT_SPEED_GPU`;
             on a real GPU the measured speed).
     """
-    from memfit.environment import system
-    from memfit.estimator.estimate import estimate
-    from memfit.search.probe import probe
-
     say = say or (lambda _text: None)
     if target_batch_size is not None:
         check_target(target_batch_size, world_size)  # before any long work
     check_headroom(headroom)
     _check_outputs(lock_path, report_dir)  # seconds now, not after the whole search
-    wl = load_workload(workload)
-    gpu = make_device(device)
-    machine = system.current_probe()  # one probe: its answers are read once, for doctor and lock
-    diagnosis = None
-    if run_doctor:
-        from memfit.environment.doctor import diagnose
-
-        say("doctor: checking the environment")
-        diagnosis = diagnose(machine)
-    predicted = None
-    estimate_error = None
-    # One rank's view: alone, or under the strategy that holds least (the plan weighs the others).
-    first = Settings() if world_size <= 1 else Settings(world_size=world_size, shard="full")
-    if gpu.capacity is not None and wl.builds_fresh_models:
-        # (a model instance comes with the script's own optimizer: see probing.estimated_guess)
-        say("estimate: predicting peak memory on fake tensors")
-        try:
-            predicted = estimate(wl, None, first, device=gpu)
-        except Exception as error:  # noqa: BLE001 - as probe does: the trials that follow decide
-            # Why go on: fake tensors cannot run every step (a value read in forward); the
-            # estimate only saves trials. A bug in the step shows up in the first trial.
-            lines = str(error).strip().splitlines()
-            estimate_error = lines[0] if lines else type(error).__name__
-            say(f"estimate: could not run ({estimate_error}); going on without it")
-    say("probe: finding the largest batch that fits")
-    found = probe(
-        wl,
-        gpu,
-        first,
+    request = FitRequest(
+        workload=load_workload(workload),
+        device=make_device(device),
+        target_batch_size=target_batch_size,
         headroom=headroom,
         max_batch_size=max_batch_size,
-        guess=predicted.max_batch_size if predicted else None,  # no second estimate
-        progress=_probe_progress(say),
-        trials=trials,
-        say=say,
-        # the rank the estimate found heaviest (its trace covers every distinct rank)
-        rehearse_rank=predicted.rank if predicted is not None and world_size > 1 else None,
-    )
-    target = target_batch_size or found.recommended_batch_size * world_size
-    say(f"plan: the fastest settings that reach batch {target}")
-    chosen = plan(
-        wl,
-        target,
-        gpu,
         world_size=world_size,
-        shards=shards,
-        gpus_per_node=gpus_per_node,
-        precisions=precisions,
-        checkpointing=checkpointing,
-        headroom=headroom,
+        axes=PlanAxes(precisions, checkpointing, shards, gpus_per_node),
         speed_gpu=speed_gpu,
-        progress=_plan_progress(say),
         trials=trials,
         say=say,
     )
+    from memfit.environment import system
+
+    machine = system.current_probe()  # one probe: its answers are read once, for doctor and lock
+    diagnosis = _doctor(machine, say) if run_doctor else None
+    predicted, estimate_error = _estimate(request)
+    found = _probe(request, predicted)
+    target = target_batch_size or found.recommended_batch_size * world_size
+    chosen = _plan(request, target)
     best = chosen.recommended
     if best is None or best.measurement is None:
         raise MemfitError(chosen.reason)
-    from memfit.environment.envfile import fingerprint
-
-    lock = Lock(
-        workload=wl.reference,
-        workload_name=wl.name,
-        settings=best.settings,
-        target_batch_size=target,
-        world_size=world_size,
-        environment=fingerprint(machine),
-        measured=Measured(
-            device=gpu.spec,
-            capacity=gpu.capacity or 0,
-            peak_allocated=best.measurement.peak_allocated,
-            peak_reserved=best.measurement.peak_reserved,
-            samples_per_second=float(best.samples_per_second or 0.0),
-            headroom=headroom,
-            max_batch_size=found.max_batch_size,
-        ),
-    )
+    lock = _lock(request, machine, best, target, found.max_batch_size)
     report_path = None
     if report_dir is not None:
-        from memfit.reporting.pages import write_results_report
-
-        snapshot, snapshot_title = _chosen_step_snapshot(wl, best.settings, gpu, say)
-        report_path = write_results_report(
-            Path(report_dir) / "report.html",
-            title=f"memfit fit · {wl.name} on {gpu.describe()}",
-            doctor=diagnosis.to_dict() if diagnosis is not None else None,
-            probe=found.to_dict(),
-            estimate=predicted.to_dict() if predicted is not None else None,
-            plan=chosen.to_dict(),
-            snapshot=snapshot,
-            snapshot_title=snapshot_title,
+        report_path = _report(
+            request, Path(report_dir) / "report.html", best.settings, _Findings(diagnosis, predicted, found, chosen)
         )
     path = write_lock(lock, lock_path)  # last: a lock on disk means the whole fit succeeded
     return FitResult(
-        workload=wl.name,
-        device=gpu.spec,
-        capacity=gpu.capacity,
+        workload=request.workload.name,
+        device=request.device.spec,
+        capacity=request.device.capacity,
         diagnosis=diagnosis,
         estimate=predicted,
         probe=found,
@@ -354,4 +287,157 @@ def fit(
         lock_path=path,
         report_path=report_path,
         estimate_error=estimate_error,
+    )
+
+
+@dataclass(frozen=True)
+class PlanAxes:
+    """What the plan may vary, as :func:`fit` was asked (None: the plan's defaults)."""
+
+    precisions: Sequence[Precision] | None = None
+    checkpointing: Sequence[Checkpointing] | None = None
+    shards: Sequence[Shard] | None = None
+    gpus_per_node: int | None = None
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """What :func:`fit` was asked, resolved once: the workload and device, and what each phase needs."""
+
+    workload: Workload
+    device: Device
+    target_batch_size: int | None
+    headroom: float
+    max_batch_size: int | None
+    world_size: int
+    axes: PlanAxes
+    speed_gpu: str | None
+    trials: TrialKind
+    say: Say
+
+    @property
+    def first_settings(self) -> Settings:
+        """One rank's view for estimate and probe: alone, or under the strategy that holds
+        least (the plan weighs the others)."""
+        return Settings() if self.world_size <= 1 else Settings(world_size=self.world_size, shard="full")
+
+
+@dataclass(frozen=True)
+class _Findings:
+    """What the phases found, for the report."""
+
+    diagnosis: Any
+    estimate: Any
+    probe: Any
+    plan: Plan
+
+
+def _doctor(machine: Any, say: Say) -> Any:
+    from memfit.environment.doctor import diagnose
+
+    say("doctor: checking the environment")
+    return diagnose(machine)
+
+
+def _estimate(request: FitRequest) -> tuple[Any, str | None]:
+    """The estimate for one rank's view, or why it could not run (None, None: not asked,
+    the device's memory is unknown or the model is an instance)."""
+    wl, gpu, say = request.workload, request.device, request.say
+    if gpu.capacity is None or not wl.builds_fresh_models:
+        # (a model instance comes with the script's own optimizer: see probe.estimated_guess)
+        return None, None
+    from memfit.estimator.estimate import estimate
+
+    say("estimate: predicting peak memory on fake tensors")
+    try:
+        return estimate(wl, None, request.first_settings, device=gpu), None
+    except Exception as error:  # noqa: BLE001 - as probe does: the trials that follow decide
+        # Why go on: fake tensors cannot run every step (a value read in forward); the
+        # estimate only saves trials. A bug in the step shows up in the first trial.
+        lines = str(error).strip().splitlines()
+        estimate_error = lines[0] if lines else type(error).__name__
+        say(f"estimate: could not run ({estimate_error}); going on without it")
+        return None, estimate_error
+
+
+def _probe(request: FitRequest, predicted: Any) -> Any:
+    """Probe one rank's view, starting from the estimate's answer (no second estimate)."""
+    from memfit.search.probe import probe
+
+    request.say("probe: finding the largest batch that fits")
+    return probe(
+        request.workload,
+        request.device,
+        request.first_settings,
+        headroom=request.headroom,
+        max_batch_size=request.max_batch_size,
+        guess=predicted.max_batch_size if predicted else None,  # no second estimate
+        progress=_probe_progress(request.say),
+        trials=request.trials,
+        say=request.say,
+        # the rank the estimate found heaviest (its trace covers every distinct rank)
+        rehearse_rank=predicted.rank if predicted is not None and request.world_size > 1 else None,
+    )
+
+
+def _plan(request: FitRequest, target: int) -> Plan:
+    request.say(f"plan: the fastest settings that reach batch {target}")
+    axes = request.axes
+    return plan(
+        request.workload,
+        target,
+        request.device,
+        world_size=request.world_size,
+        shards=axes.shards,
+        gpus_per_node=axes.gpus_per_node,
+        precisions=axes.precisions,
+        checkpointing=axes.checkpointing,
+        headroom=request.headroom,
+        speed_gpu=request.speed_gpu,
+        progress=_plan_progress(request.say),
+        trials=request.trials,
+        say=request.say,
+    )
+
+
+def _lock(request: FitRequest, machine: Any, best: Candidate, target: int, max_batch_size: int) -> Lock:
+    """The lock for the chosen settings: what they measured, and the environment."""
+    from memfit.environment.envfile import fingerprint
+
+    assert best.measurement is not None
+    gpu = request.device
+    return Lock(
+        workload=request.workload.reference,
+        workload_name=request.workload.name,
+        settings=best.settings,
+        target_batch_size=target,
+        world_size=request.world_size,
+        environment=fingerprint(machine),
+        measured=Measured(
+            device=gpu.spec,
+            capacity=gpu.capacity or 0,
+            peak_allocated=best.measurement.peak_allocated,
+            peak_reserved=best.measurement.peak_reserved,
+            samples_per_second=float(best.samples_per_second or 0.0),
+            headroom=request.headroom,
+            max_batch_size=max_batch_size,
+        ),
+    )
+
+
+def _report(request: FitRequest, path: Path, chosen: Settings, found: _Findings) -> Path:
+    """The HTML report of every phase, with the chosen step's allocator history."""
+    from memfit.reporting.pages import write_results_report
+
+    wl, gpu = request.workload, request.device
+    snapshot, snapshot_title = _chosen_step_snapshot(wl, chosen, gpu, request.say)
+    return write_results_report(
+        path,
+        title=f"memfit fit · {wl.name} on {gpu.describe()}",
+        doctor=found.diagnosis.to_dict() if found.diagnosis is not None else None,
+        probe=found.probe.to_dict(),
+        estimate=found.estimate.to_dict() if found.estimate is not None else None,
+        plan=found.plan.to_dict(),
+        snapshot=snapshot,
+        snapshot_title=snapshot_title,
     )

@@ -450,22 +450,85 @@ def probe(
         DoesNotFitError: not even the smallest batch fits.
     """
     check_headroom(headroom)
-    wl = load_workload(workload)
+    request = _resolve(
+        load_workload(workload),
+        device,
+        settings or Settings(),
+        space=(max_batch_size, multiple_of),
+        headroom=headroom,
+        guess=guess,
+        trials=trials,
+    )
+    hooks = _ProbeHooks(progress, tuple(preserve), say, rehearse_rank)
+    failure: BaseException | None = None
+    probed: _Probed | None = None
+    try:
+        probed = _search_preserving(request, hooks)
+    except Exception as error:  # noqa: BLE001 - re-raised below, after the ranks agree
+        failure = error
+    result = _agree(probed.found if probed else None, failure, request)
+    fake = sum(1 for t in result.trials if t.fake)
+    note, rehearsed = (probed.note, probed.rehearsed) if probed else (None, {})
+    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed})
+
+
+@dataclass(frozen=True)
+class _ProbeRequest:
+    """What :func:`probe` was asked, checked and resolved once where it enters."""
+
+    workload: Workload
+    device: Device
+    settings: Settings
+    space: SearchSpace
+    max_batch_size: int | None
+    headroom: float
+    guess: int | str | None
+    trials: TrialKind
+
+
+@dataclass(frozen=True)
+class _ProbeHooks:
+    """How a probe reports and what it leaves as it found it."""
+
+    progress: Progress | None = None
+    preserve: tuple[Any, ...] = ()
+    say: Callable[[str], None] | None = None
+    rehearse_rank: int | None = None
+
+
+class _Probed(NamedTuple):
+    """This rank's search, why its trials were real (None: they were not), the rank rehearsed."""
+
+    found: Search
+    note: str | None
+    rehearsed: dict[str, Any]
+
+
+def _resolve(
+    wl: Workload,
+    device: Device | str,
+    settings: Settings,
+    *,
+    space: tuple[int | None, int],
+    headroom: float,
+    guess: int | str | None,
+    trials: TrialKind,
+) -> _ProbeRequest:
+    """Check the arguments (one line each, before any trial) and resolve the device and the search space."""
     if device == "auto" and distributed.is_distributed() and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"  # this rank's GPU, not every rank's cuda:0
     gpu = make_device(device)
-    settings = settings or Settings()
     if isinstance(guess, str) and guess != "estimate":
         raise MemfitError(f"invalid guess {guess!r}: a batch size, or 'estimate'")
-    space = SearchSpace(
+    max_batch_size, multiple_of = space
+    searched = SearchSpace(
         capacity=_search_capacity(gpu),
         multiple_of=multiple_of,
         max_batch_size=max_batch_size,
         guess=guess if isinstance(guess, int) else None,
     )
-    if space.capacity is None and max_batch_size is None:
+    if searched.capacity is None and max_batch_size is None:
         raise MemfitError(f"{gpu.describe()} has no memory limit: give max_batch_size (--max-batch-size)")
-
     if trials not in TRIAL_KINDS:
         raise MemfitError(f"invalid trials {trials!r}: use one of {', '.join(TRIAL_KINDS)}")
     if settings.world_size > 1 and distributed.is_distributed():
@@ -473,48 +536,44 @@ def probe(
             f"probe with world size {settings.world_size} rehearses one rank on a fake process group in "
             "one process; this one is already in a process group: run it without torchrun"
         )
+    return _ProbeRequest(wl, gpu, settings, searched, max_batch_size, headroom, guess, trials)
 
-    failure: BaseException | None = None
-    found: Search | None = None
-    note: str | None = None
+
+def _search_preserving(request: _ProbeRequest, hooks: _ProbeHooks) -> _Probed:
+    """This rank's search, with the model, its optimizers and ``preserve`` put back afterwards."""
+    wl, gpu, settings = request.workload, request.device, request.settings
+    space, rank = request.space, hooks.rehearse_rank
+    with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *hooks.preserve) as snapshot:
+        probed = _preserving_optimizers(wl, snapshot)
+        if request.guess == "estimate":
+            guessed = estimated_guess(wl, gpu, settings, request.max_batch_size)
+            space = dataclasses.replace(space, guess=guessed.batch_size)
+            if rank is None and settings.world_size > 1:
+                # Under ZeRO-1 or uneven FSDP2 shards the rank that peaks highest is
+                # not always the one holding the most: the trace of every candidate says.
+                rank = guessed.rank
+        # The one place that chooses what a trial runs (see memfit.search.trials).
+        run_trial = choose_trials(request.trials, probed, gpu, settings, steps=TRIAL_STEPS, say=hooks.say)
+        # world_size > 1: the trials rehearse the rank holding the most, on a fake
+        # process group (the strategy's memory exactly; time without communication).
+        with rehearsal(wl, settings, rank) as rehearsed_rank:
+            found = confirmed_search(
+                run_trial,
+                space,
+                capacity=gpu.capacity,
+                headroom=request.headroom,
+                progress=hooks.progress,
+                describe=f"{wl.name} on {gpu.describe()}",
+            )
     rehearsed: dict[str, Any] = {}
-    try:
-        with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *preserve) as snapshot:
-            probed = _preserving_optimizers(wl, snapshot)
-            if guess == "estimate":
-                guessed = estimated_guess(wl, gpu, settings, max_batch_size)
-                space = dataclasses.replace(space, guess=guessed.batch_size)
-                if rehearse_rank is None and settings.world_size > 1:
-                    # Under ZeRO-1 or uneven FSDP2 shards the rank that peaks highest is
-                    # not always the one holding the most: the trace of every candidate says.
-                    rehearse_rank = guessed.rank
-
-            # The one place that chooses what a trial runs (see memfit.search.trials).
-            run_trial = choose_trials(trials, probed, gpu, settings, steps=TRIAL_STEPS, say=say)
-            # world_size > 1: the trials rehearse the rank holding the most, on a fake
-            # process group (the strategy's memory exactly; time without communication).
-            with rehearsal(wl, settings, rehearse_rank) as rank:
-                found = confirmed_search(
-                    run_trial,
-                    space,
-                    capacity=gpu.capacity,
-                    headroom=headroom,
-                    progress=progress,
-                    describe=f"{wl.name} on {gpu.describe()}",
-                )
-            note = run_trial.note
-            if settings.world_size > 1:
-                rehearsed = {
-                    "rehearsed_world_size": settings.world_size,
-                    "rehearsed_rank": rank,
-                    "shard": settings.shard,
-                    "strategy": describe(settings.shard, settings.world_size, settings.shard_group_size),
-                }
-    except Exception as error:  # noqa: BLE001 - re-raised below, after the ranks agree
-        failure = error
-    result = _agree(found, failure, gpu, wl, space, headroom)
-    fake = sum(1 for t in result.trials if t.fake)
-    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed})
+    if settings.world_size > 1:
+        rehearsed = {
+            "rehearsed_world_size": settings.world_size,
+            "rehearsed_rank": rehearsed_rank,
+            "shard": settings.shard,
+            "strategy": describe(settings.shard, settings.world_size, settings.shard_group_size),
+        }
+    return _Probed(found, run_trial.note, rehearsed)
 
 
 class Guess(NamedTuple):
@@ -582,20 +641,14 @@ def _search_capacity(gpu: Device) -> int | None:
 _OK, _DOES_NOT_FIT, _FAILED = 0, 1, 2
 
 
-def _agree(
-    found: Search | None,
-    failure: BaseException | None,
-    gpu: Device,
-    workload: Workload,
-    space: SearchSpace,
-    headroom: float,
-) -> ProbeResult:
+def _agree(found: Search | None, failure: BaseException | None, request: _ProbeRequest) -> ProbeResult:
     """Make every rank return the same answer, or every rank raise.
 
     Why this shape: each rank runs its own number of trials (its device may be smaller),
     so the ranks meet only here, and every rank makes exactly the same collectives: one
     for "did anyone fail", then, unless someone did, one per agreed number.
     """
+    gpu, workload, space = request.device, request.workload, request.space
     code = _OK if failure is None else _DOES_NOT_FIT if isinstance(failure, DoesNotFitError) else _FAILED
     worst = distributed.agree_max(code)
     if worst != _OK:
@@ -624,7 +677,7 @@ def _agree(
         trials=found.trials,
         trial_steps=TRIAL_STEPS * len(found.trials),
         capacity=gpu.capacity,
-        headroom=headroom,
+        headroom=request.headroom,
         multiple_of=space.multiple_of,
         device=gpu.spec,
         workload=workload.name,
