@@ -209,3 +209,32 @@ def test_plan_falls_back_to_real_trials_when_a_real_run_disagrees() -> None:
     assert measure(workload, best.settings.micro_batch_size, device).fits
     assert len(told) == 1 and "the plan ran again on real trials" in told[0]
     assert result.trials_note == told[0]
+
+
+def test_the_re_plan_on_real_trials_keeps_the_estimators_pruning_and_the_callers_lines() -> None:
+    """After fake and real trials disagree the plan runs again on real trials: that run is
+    the plan a caller asking for real trials gets (the estimator prunes what cannot fit),
+    and it reports through the caller's ``say`` and ``progress``, not in silence."""
+
+    def loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        out = model(x)
+        if not isinstance(out, FakeTensor):
+            out = out + 0 * torch.ones(x.shape[0], 4096, requires_grad=True).sum()  # only the real step
+        return F.cross_entropy(out, y)
+
+    # 2048 features: micro-batch 256 is too large even by the estimate, 128 only for real
+    workload, device = linear_workload(loss, features=2048), "sim:4MiB"
+    told: list[str] = []
+    seen: list[tuple[int, bool]] = []
+
+    def progress(c) -> None:
+        seen.append((c.settings.micro_batch_size, c.measurement.fake))
+
+    again = plan(workload, 256, device, precisions=["fp32"], say=told.append, progress=progress)
+    real = plan(workload, 256, device, precisions=["fp32"], trials="real")
+    statuses = [(c.settings, c.status) for c in again.candidates]
+    assert statuses == [(c.settings, c.status) for c in real.candidates]
+    assert any(status == "too large (estimate)" for _, status in statuses)
+    assert told and told[0] == again.trials_note
+    assert any(not fake for _, fake in seen)  # the re-plan's real trials reached progress

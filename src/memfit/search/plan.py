@@ -325,6 +325,7 @@ def _resolve(
 
 def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
     """Weigh every group of candidates, confirm fake trials on the device, recommend."""
+    given = hooks  # the caller's hooks: a re-plan on real trials starts from these, not the fake path's
     on_device, hooks = _trials_for(request, hooks, kind)
     ledger = _Ledger({s: Candidate(s, "not run") for s in request.pool()}, card=request.card)
     for group in request.groups():
@@ -338,11 +339,9 @@ def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
     if on_device is not None and any(c.measurement is not None and c.measurement.fake for c in measured):
         confirmed = confirm_on_device(measured, on_device, request, hooks.progress, speed)
         if confirmed is None:
-            again = _plan(
-                request,
-                PlanHooks(predictor=hooks.predictor, progress=hooks.progress, predict_speed=hooks.predict_speed),
-                "real",
-            )
+            # The fake path dropped the estimator's search (a fake trial per candidate stood
+            # in for it); real trials need it again to prune, and the caller's say= too.
+            again = _plan(request, given, "real")
             again.trials_note = on_device.note
             return again
         ledger.trial_steps += confirmed
