@@ -144,8 +144,53 @@ def _cycles(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _package_of(module: str) -> str:
+    """The package that owns a module's private names: its unit, or for a private base-layer
+    module (``memfit._io``) memfit as a whole: those modules exist to be shared, and their
+    names without an underscore are their interface."""
+    unit = unit_of(module)
+    return "memfit" if _is_private(unit) else unit
+
+
+def private_reads(root: Path) -> list[str]:
+    """Every place a package reads another package's private name: ``from memfit.a.b import
+    _name``, or ``b._name`` on a module ``b`` imported from another package."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        this = module_name(path, root)
+        unit = _package_of(this)
+        tree = ast.parse(path.read_text(), str(path))
+        modules: dict[str, str] = {}  # local name -> memfit module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("memfit."):
+                        modules[alias.asname or "memfit"] = alias.name if alias.asname else "memfit"
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("memfit"):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    if _is_module(root, target):
+                        modules[alias.asname or alias.name] = target
+                    elif _is_private(alias.name) and _package_of(node.module or "") != unit:
+                        found.append(f"{this}:{node.lineno} imports {alias.name} from {node.module}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr) and isinstance(node.value, ast.Name):
+                target = modules.get(node.value.id)
+                if target is not None and _package_of(target) != unit:
+                    found.append(f"{this}:{node.lineno} reads {target}.{node.attr}")
+    return found
+
+
 def test_memfit_follows_the_dependency_rule() -> None:
     assert violations(PACKAGE) == []
+
+
+def test_no_package_reads_another_packages_private_names() -> None:
+    assert private_reads(PACKAGE) == []
 
 
 def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -201,6 +246,31 @@ def test_a_cycle_inside_a_package_is_caught(tmp_path: Path) -> None:
     )
     found = violations(root)
     assert any(v.startswith("import cycle:") and "memfit.workload.spec" in v for v in found), found
+
+
+def test_a_planted_private_read_is_caught_both_ways(tmp_path: Path) -> None:
+    root = _plant(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "_io.py": "def write_atomically(): pass\n",
+            "memory/__init__.py": "",
+            "memory/tracker.py": "_state = None\ndef _storages(): pass\n",
+            "memory/devices.py": "from memfit.memory.tracker import _storages\n",
+            "run/__init__.py": "",
+            "run/steps.py": (
+                "from memfit.memory import tracker\n"
+                "from memfit._io import write_atomically\n"
+                "def f():\n    tracker._state = 1\n"
+            ),
+            "estimator/__init__.py": "",
+            "estimator/fake.py": "from memfit.memory.tracker import _storages\n",
+        },
+    )
+    assert private_reads(root) == [
+        "memfit.estimator.fake:1 imports _storages from memfit.memory.tracker",
+        "memfit.run.steps:4 reads memfit.memory.tracker._state",
+    ]
 
 
 @pytest.mark.parametrize("name", ["errors", "cuda", "memory", "search", "integrations"])

@@ -49,7 +49,7 @@ from memfit.estimator.timing import OpCounter, OpTrace
 from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
-from memfit.memory.tracker import Labels, StorageTracker, _storages, current_labels
+from memfit.memory.tracker import Labels, StorageTracker, current_labels, storages_of
 from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
 from memfit.workload import Workload
@@ -145,7 +145,7 @@ class _FakeStepTracker(StorageTracker):
             # lifted to its fake twin: only the twin lives on, so only the twin is counted,
             # as a real run counts the one tensor once.
             out = self._call(func, args, kwargs or {})
-            for storage in _storages(out):
+            for storage in storages_of(out):
                 self._see(storage)
             return out
         return super().__torch_dispatch__(func, types, args, kwargs)

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.cuda.counting import counting
 
-__all__ = ["StorageTracker", "StorageListener", "Labels", "current_labels", "labelled"]
+__all__ = ["StorageTracker", "StorageListener", "Labels", "current_labels", "labelled", "module_labels", "storages_of"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,41 @@ def labelled(**changes: Any) -> Iterator[None]:
         yield
     finally:
         _state.labels = previous
+
+
+@contextlib.contextmanager
+def module_labels(model: nn.Module) -> Iterator[None]:
+    """Label allocations with the dotted path of the module whose forward made them.
+
+    Why hooks on every module: the estimator reports which modules hold the most
+    activation memory, and only the module running at allocation time knows. A forward
+    pre-hook opens the label and the forward hook closes it (no ``with`` block spans the
+    two callbacks), so the labels are set here, beside the thread-local they live in.
+
+    Args:
+        model: the module whose submodules label what their forward allocates.
+    """
+    stack: list[Labels] = []
+    handles = []
+    for name, module in model.named_modules():
+
+        def enter(_module: nn.Module, _args: object, name: str = name) -> None:
+            stack.append(current_labels())
+            _state.labels = Labels(**{**stack[-1].__dict__, "module": name or "<root>"})
+
+        def leave(_module: nn.Module, _args: object, _out: object) -> None:
+            if stack:
+                _state.labels = stack.pop()
+
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave))
+    outer = current_labels()
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        _state.labels = outer
 
 
 class StorageListener(Protocol):
@@ -118,7 +154,15 @@ def _tensors(value: Any, found: list[torch.Tensor]) -> None:
             _tensors(item, found)
 
 
-def _storages(values: Any) -> Iterator[torch.UntypedStorage]:
+def storages_of(values: Any) -> Iterator[torch.UntypedStorage]:
+    """The storages of the tensors in ``values`` (an operation's nested arguments or results).
+
+    A wrapper subclass (DTensor) yields its local tensors' storages; sparse and other
+    storage-less tensors yield none.
+
+    Args:
+        values: a tensor, or lists, tuples and dicts of them (other values are skipped).
+    """
     found: list[torch.Tensor] = []
     _tensors(values, found)
     for tensor in found:
@@ -198,7 +242,7 @@ class StorageTracker(TorchDispatchMode):
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         """Start tracking tensors that already exist (for example a model's parameters)."""
-        for storage in _storages(list(tensors)):
+        for storage in storages_of(list(tensors)):
             self._see(storage)
 
     @property
@@ -237,10 +281,10 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if not counting():  # CPU-only scratch work of an emulated CUDA kernel (memfit.cuda)
             return self._call(func, args, kwargs)
-        for storage in _storages((args, kwargs)):
+        for storage in storages_of((args, kwargs)):
             self._see(storage)
         out = self._call(func, args, kwargs)
-        for storage in _storages(out):
+        for storage in storages_of(out):
             self._see(storage)
         return out
 

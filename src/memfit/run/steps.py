@@ -27,12 +27,12 @@ from torch import nn
 
 from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device
-from memfit.memory.tracker import labelled
+from memfit.memory.tracker import labelled, module_labels
 from memfit.run.parallel import collective_internals_untracked
 from memfit.run.settings import Applied, Settings, autocast, make_scaler
 from memfit.workload import Workload, move_to
 
-__all__ = ["run_steps", "StepRun", "module_labels"]
+__all__ = ["run_steps", "StepRun"]
 
 
 @dataclass
@@ -193,35 +193,3 @@ def _is_on(model: nn.Module, where: torch.device) -> bool:
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
-
-
-@contextmanager
-def module_labels(model: nn.Module) -> Iterator[None]:
-    """Label allocations with the dotted path of the module whose forward made them.
-
-    Why hooks on every module: the estimator reports which modules hold the most
-    activation memory, and only the module running at allocation time knows.
-    """
-    from memfit.memory import tracker
-
-    stack: list[tracker.Labels] = []
-    handles = []
-    for name, module in model.named_modules():
-
-        def enter(_module: nn.Module, _args: object, name: str = name) -> None:
-            stack.append(tracker.current_labels())
-            tracker._state.labels = tracker.Labels(**{**stack[-1].__dict__, "module": name or "<root>"})
-
-        def leave(_module: nn.Module, _args: object, _out: object) -> None:
-            if stack:
-                tracker._state.labels = stack.pop()
-
-        handles.append(module.register_forward_pre_hook(enter))
-        handles.append(module.register_forward_hook(leave))
-    outer = tracker.current_labels()
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        tracker._state.labels = outer
