@@ -19,7 +19,7 @@ settings and priority order are the global context's, which a CPU-only build kee
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -96,7 +96,20 @@ def _dense_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return strides_ok and (mask is None or mask.stride(-1) == 1)
 
 
-def _can_use_flash(q, k, v, mask, dropout_p, is_causal, enable_gqa, target: CudaTarget) -> bool:  # type: ignore[no-untyped-def]
+class _Call(NamedTuple):
+    """One ``scaled_dot_product_attention`` call's arguments, as each backend's check reads them."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    dropout_p: float
+    is_causal: bool
+    enable_gqa: bool
+
+
+def _can_use_flash(call: _Call, target: CudaTarget) -> bool:
+    q, k, v, mask, dropout_p, is_causal, enable_gqa = call
     if not _enabled("flash") or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or mask is not None:
         return False
     d = q.size(-1)
@@ -127,7 +140,8 @@ def gemm_alignment(dtype: torch.dtype, capability: tuple[int, int]) -> int:
     return alignment
 
 
-def _can_use_efficient(q, k, v, mask, enable_gqa, target: CudaTarget) -> bool:  # type: ignore[no-untyped-def]
+def _can_use_efficient(call: _Call, target: CudaTarget) -> bool:
+    q, k, v, mask, enable_gqa = call.q, call.k, call.v, call.mask, call.enable_gqa
     cap = target.capability
     if not _enabled("efficient") or not _sm_in(cap, (5, 0), (12, 1)):
         return False
@@ -160,7 +174,8 @@ def _mask_shape_ok(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) 
     return mask.dim() == 4 and mask.size(0) in (1, q.size(0)) and mask.size(1) in (1, q.size(1))
 
 
-def _can_use_cudnn(q, k, v, mask, dropout_p, enable_gqa, target: CudaTarget) -> bool:  # type: ignore[no-untyped-def]
+def _can_use_cudnn(call: _Call, target: CudaTarget) -> bool:
+    q, k, v, mask, dropout_p, _causal, enable_gqa = call
     version = cudnn_version(target)
     if dropout_p > 0.0 and 91100 < version < 91400:
         return False
@@ -217,14 +232,13 @@ def choose_backend(
     """
     if not any(_enabled(b) for b in ("flash", "efficient", "cudnn", "math")):
         raise NoAttentionKernel("No available kernel. Aborting execution. (every SDPA backend is disabled)")
+    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     for backend in _priority(target):
-        if backend == "cudnn" and _can_use_cudnn(query, key, value, attn_mask, dropout_p, enable_gqa, target):
+        if backend == "cudnn" and _can_use_cudnn(call, target):
             return "cudnn"
-        if backend == "flash" and _can_use_flash(
-            query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, target
-        ):
+        if backend == "flash" and _can_use_flash(call, target):
             return "flash"
-        if backend == "efficient" and _can_use_efficient(query, key, value, attn_mask, enable_gqa, target):
+        if backend == "efficient" and _can_use_efficient(call, target):
             return "efficient"
         if backend == "math" and _enabled("math"):
             return "math"

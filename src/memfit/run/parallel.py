@@ -228,7 +228,9 @@ def parallelize(
     if shard in ("none", "optimizer"):
         return Parallel(_ddp(model), shard, world)
     where = torch.device(device).type if device is not None else _device_type(model)
-    _fully_shard(model, shard, units, world, group_size, precision, where)
+    _fully_shard(
+        model, shard=shard, units=units, world=world, group_size=group_size, precision=precision, device_type=where
+    )
     return Parallel(model, shard, world, group_size)
 
 
@@ -329,6 +331,7 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _fully_shard(
     model: nn.Module,
+    *,
     shard: Shard,
     units: Units | None,
     world: int,

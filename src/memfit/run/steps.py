@@ -103,7 +103,9 @@ def run_steps(
                 for step in range(steps):
                     device.synchronize()
                     started = time.perf_counter()
-                    result.losses.append(_one_step(workload, settings, device, trained, optimizer, scaler, step))
+                    result.losses.append(
+                        _one_step(workload, settings, device, trained, optimizer, scaler=scaler, step=step)
+                    )
                     device.synchronize()
                     result.step_seconds.append(time.perf_counter() - started)
         finally:
@@ -121,6 +123,7 @@ def _one_step(
     device: Device,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    *,
     scaler: torch.amp.GradScaler,
     step: int,
 ) -> float:

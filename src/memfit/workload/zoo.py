@@ -324,6 +324,7 @@ def _convnet(blocks: int = 4, channels: int = 64, image_size: int = 64, classes:
 
 
 def _gpt(
+    *,
     layers: int = 12,
     embd: int = 768,
     heads: int = 12,
