@@ -262,6 +262,38 @@ def test_plan_figure_places_each_measured_candidate_the_front_the_recommendation
     assert [text.get_text() for text in axes.texts] == ["16×2", "32×1"]  # micro-batch × accumulation
 
 
+def test_a_plan_ranked_by_predicted_speed_plots_that_speed_for_every_candidate_that_fits():
+    """On a simulated GPU the plan ranks by the predicted speed on its card: the figure shows
+    that speed, for fake-tensor candidates too (they have no measured speed), and names the card."""
+    fake = {
+        **PLAN["candidates"][0],
+        "samples_per_second": None,  # a fake trial: memory only
+        "predicted_samples_per_second": 5000.0,
+        "fake": True,
+    }
+    real = {**PLAN["candidates"][1], "samples_per_second": 12.0, "predicted_samples_per_second": 3000.0}
+    plan = {
+        **PLAN,
+        "ranked_by": "predicted",
+        "speed_gpu": "RTX 4090",
+        "candidates": [fake, real],
+        "pareto": [fake, real],
+        "recommended": fake,
+        "capacity": 1024 * MiB,
+    }
+    (axes,) = plan_figure(plan).axes
+    at = 1 / 1024
+    assert axes.get_ylabel() == "samples/s predicted on the RTX 4090"
+    assert points_of(axes) == {
+        "bf16": [(900 * at, 5000.0)],
+        "fp32, checkpointing": [(980 * at, 3000.0)],
+        "recommended": [(900 * at, 5000.0)],
+    }
+    assert lines_of(axes)["Pareto front"] == [(900 * at, 5000.0), (980 * at, 3000.0)]
+    measured = plan_figure({**PLAN, "ranked_by": "measured", "device": "cuda:0"})
+    assert measured.axes[0].get_ylabel() == "samples/s measured on cuda:0"
+
+
 def timeline_records(steps: int = 4) -> list[dict]:
     return [
         {

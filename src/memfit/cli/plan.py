@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 import click
-from rich.table import Table
 
 from memfit._io import check_writable
 from memfit.cli.options import (
@@ -20,10 +19,10 @@ from memfit.cli.options import (
     trials_option,
     workload_argument,
 )
+from memfit.cli.tables import compact_table, short_rate, short_size, status_legend, status_word
 from memfit.memory.devices import device
 from memfit.search.candidates import Candidate, check_target
 from memfit.search.plan import Plan, plan
-from memfit.units import format_size
 from memfit.workload import load_workload
 
 if TYPE_CHECKING:
@@ -137,42 +136,62 @@ def write_plot(result: Plan, path: str) -> None:
 
 
 def print_plan(result: Plan) -> None:
-    """The candidates table, the recommendation and the advice."""
+    """The candidates table, its legend, the recommendation and the advice.
+
+    The table fits 80 columns: short headers and status words (the legend spells them
+    out), and the candidates a measured one beats are counted, not listed (``--json``
+    lists every candidate).
+    """
     ranks = f" x {result.world_size} ranks" if result.world_size > 1 else ""
-    table = Table(title=f"memfit plan · {result.workload} → batch {result.target_batch_size} on {result.device}{ranks}")
+    table = compact_table(
+        f"memfit plan · {result.workload} → batch {result.target_batch_size} on {result.device}{ranks}"
+    )
     predicted = result.ranked_by == "predicted"
-    speed = f"samples/s on {result.speed_gpu}" if predicted else "samples/s"
-    columns = ["micro", "accum", "precision", "checkpointing"]
+    on_cpu = result.device.startswith(("sim", "cpu"))
+    columns = ["micro", "accum", "prec", "ckpt"]
     if result.world_size > 1:
         columns.append("strategy")
-    columns += ["status", "peak reserved", speed]
-    if predicted:
-        columns.append("measured (CPU)" if result.device.startswith(("sim", "cpu")) else "measured")
-    for column in (*columns, "Pareto"):
+    columns += ["status", "peak"]
+    columns += (["pred/s", "CPU/s" if on_cpu else "meas/s"]) if predicted else ["samples/s"]
+    for column in (*columns, ""):
         table.add_column(column, justify="right")
     front = {id(c) for c in result.pareto}
-    for c in result.candidates:
-        if c.status == "not run":
-            continue
+    shown = [c for c in result.candidates if c.status not in ("not run", "dominated")]
+    beaten = sum(c.status == "dominated" for c in result.candidates)
+    for c in shown:
         s, m = c.settings, c.measurement
         mark = "★" if c is result.recommended else ("•" if id(c) in front else "")
         strategy = [f"{s.shard}" + (f"/{s.shard_group_size}" if s.shard_group_size else "")]
+        speeds = [short_rate(c.predicted_samples_per_second)] if predicted else []
         table.add_row(
             str(s.micro_batch_size),
             str(s.accumulation_steps),
             s.precision,
             s.checkpointing,
             *(strategy if result.world_size > 1 else []),
-            c.status,
-            format_size(m.peak_reserved) if m else "-",
-            *(
-                [_rate(c.predicted_samples_per_second), _rate(c.samples_per_second)]
-                if predicted
-                else [_rate(c.samples_per_second)]
-            ),
+            status_word(c.status),
+            short_size(m.peak_reserved) if m else "-",
+            *speeds,
+            short_rate(c.samples_per_second),
             mark,
         )
     console.print(table)
+    legend = status_legend({c.status for c in shown} | ({"dominated"} if beaten else set()))
+    marks = "★ recommended · • on the Pareto front (least memory for its speed)"
+    console.print(f"{legend} · {marks}" if legend else marks)
+    if beaten:
+        console.print(f"{beaten} candidate(s) beaten by a measured one are not listed (--json lists them).")
+    if predicted:
+        cpu = "; CPU/s: the CPU's own speed there" if on_cpu else ""
+        console.print(
+            f"pred/s: samples/s predicted on the {result.speed_gpu} (eager PyTorch); "
+            f"the trials ran on {result.device} for memory{cpu}."
+        )
+        if result.device.startswith("sim:") and result.device != f"sim:{result.speed_gpu}":
+            console.print(
+                f"{result.device} names no card: the speed is the {result.speed_gpu}'s; "
+                'name one with --gpu NAME or --device "sim:RTX 4090".'
+            )
     if result.estimate_error:
         console.print(f"The estimate could not prune candidates ({result.estimate_error}); every one was tried.")
     if result.speed_error:
@@ -180,15 +199,6 @@ def print_plan(result: Plan) -> None:
             f"The predicted GPU speed could not be computed ({result.speed_error}): ranked by the measured "
             f"speed on {result.device}, which on a simulated GPU is the CPU's."
         )
-    if predicted:
-        console.print(
-            f"Ranked by the predicted speed on the {result.speed_gpu} (eager PyTorch; the trials ran on "
-            f"{result.device} for memory)."
-        )
     console.print(f"[bold]Recommended:[/bold] {result.reason}")
     for note in result.advice:
         console.print(f"  • {note}")
-
-
-def _rate(value: float | None) -> str:
-    return f"{value:,.1f}" if value else "-"

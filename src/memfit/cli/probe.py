@@ -33,6 +33,7 @@ from memfit.cli.options import (
     trials_option,
     workload_argument,
 )
+from memfit.cli.tables import compact_table, short_rate, short_size
 from memfit.distributed import process_group
 from memfit.errors import MemfitError
 from memfit.memory.devices import Device, rank_device
@@ -40,7 +41,6 @@ from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
 from memfit.search.probe import ProbeResult, probe
 from memfit.search.probe import Progress as ProgressCallback
-from memfit.units import format_size
 from memfit.workload import load_workload
 
 if TYPE_CHECKING:
@@ -136,15 +136,26 @@ def command(
         print_json(result.to_dict())
         return
     console.print(trials_table(result, gpu))
+    console.print(trials_legend(result, gpu))
     console.print(summary(result))
     if plot_path is not None:
         console.print(f"plot: {plot_path}")
 
 
+def trials_legend(result: ProbeResult, gpu: Device) -> str:
+    """What the short words of :func:`trials_table` mean, and whose speed samples/s is."""
+    parts = ["peak alloc / resv: peak allocated / reserved", "of cap: reserved share of capacity"]
+    if any(t.fake for t in result.trials):
+        parts.append("fake: on fake tensors (memory only, no arithmetic)")
+    if gpu.simulated:
+        parts.append(f"samples/s: this CPU's speed on {gpu.spec}, not a GPU's")
+    return " · ".join(parts)
+
+
 def trials_table(result: ProbeResult, gpu: Device) -> Table:
-    """One row per trial, in the order they ran."""
-    table = Table(title=f"memfit probe · {result.workload} on {gpu.describe()}")
-    for column in ("#", "batch size", "fits", "peak allocated", "peak reserved", "of capacity", "samples/s", "run on"):
+    """One row per trial, in the order they ran (80 columns: short headers and sizes)."""
+    table = compact_table(f"memfit probe · {result.workload} on {gpu.describe()}")
+    for column in ("#", "batch", "fits", "peak alloc", "peak resv", "of cap", "samples/s", "ran on"):
         table.add_column(column, justify="right")
     for index, trial in enumerate(result.trials, 1):
         share = f"{trial.peak_reserved / result.capacity:.0%}" if result.capacity else "-"
@@ -152,11 +163,11 @@ def trials_table(result: ProbeResult, gpu: Device) -> Table:
             str(index),
             str(trial.batch_size),
             "yes" if trial.fits else "[red]no[/red]",
-            format_size(trial.peak_allocated),
-            format_size(trial.peak_reserved),
+            short_size(trial.peak_allocated),
+            short_size(trial.peak_reserved),
             share if trial.fits else "-",
-            f"{trial.samples_per_second:.1f}" if trial.samples_per_second else "-",
-            "fake tensors" if trial.fake else "device",
+            short_rate(trial.samples_per_second),
+            "fake" if trial.fake else "device",
         )
     return table
 

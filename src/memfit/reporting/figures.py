@@ -16,7 +16,7 @@ from memfit.units import format_size
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["probe_png", "estimate_png", "plan_png", "probe_figure", "estimate_figure", "plan_figure"]
+__all__ = ["probe_png", "estimate_png", "plan_png", "probe_figure", "estimate_figure", "plan_figure", "plan_speed"]
 
 
 def probe_png(probe: Mapping[str, Any]) -> bytes | None:
@@ -122,7 +122,7 @@ def probe_figure(probe: Mapping[str, Any]) -> Figure | None:
             markersize=3,
             label="samples/s",
         )
-        twin.set_ylabel("samples/s")
+        twin.set_ylabel(probe_speed_label(probe))
         twin.set_ylim(bottom=0)
         lines, labels = axes.get_legend_handles_labels()
         more_lines, more_labels = twin.get_legend_handles_labels()
@@ -131,6 +131,20 @@ def probe_figure(probe: Mapping[str, Any]) -> Figure | None:
     else:
         axes.legend(**LEGEND_OUTSIDE)
     return figure
+
+
+def probe_speed_label(probe: Mapping[str, Any]) -> str:
+    """Whose speed a probe's samples/s is: the trials' device, and on a simulated GPU the
+    CPU's (a probe times its real trials; no GPU speed is predicted per trial).
+
+    >>> probe_speed_label({"device": "sim:8GiB"})
+    'samples/s measured on sim:8GiB (the CPU, not a GPU)'
+    >>> probe_speed_label({"device": "cuda:0"})
+    'samples/s measured on cuda:0'
+    """
+    device = str(probe.get("device") or "the device")
+    simulated = device.startswith(("sim", "cpu"))
+    return f"samples/s measured on {device}" + (" (the CPU, not a GPU)" if simulated else "")
 
 
 def estimate_figure(estimate: Mapping[str, Any]) -> Figure | None:
@@ -172,21 +186,40 @@ def estimate_figure(estimate: Mapping[str, Any]) -> Figure | None:
     return figure
 
 
+def plan_speed(plan: Mapping[str, Any]) -> tuple[str, str]:
+    """The candidates' speed a plan ranked by, as (key of a candidate, axis label).
+
+    A plan ranked by the predicted speed (a simulated GPU, or a named card) shows that
+    speed, on the card it names, for every candidate that fits (fake trials too); a plan on
+    a real GPU shows the speed its trials measured.
+
+    >>> plan_speed({"ranked_by": "predicted", "speed_gpu": "RTX 4090"})
+    ('predicted_samples_per_second', 'samples/s predicted on the RTX 4090')
+    >>> plan_speed({"ranked_by": "measured", "device": "cuda:0"})
+    ('samples_per_second', 'samples/s measured on cuda:0')
+    """
+    if plan.get("ranked_by") == "predicted":
+        return "predicted_samples_per_second", f"samples/s predicted on the {plan.get('speed_gpu') or 'card'}"
+    return "samples_per_second", f"samples/s measured on {plan.get('device') or 'the device'}"
+
+
 def plan_figure(plan: Mapping[str, Any]) -> Figure | None:
-    """The figure :func:`plan_png` renders: peak reserved memory against samples/s for each
-    measured candidate (one marker per precision, hollow with checkpointing), the Pareto
-    front joined, the recommendation starred, the capacity dashed. None without data.
+    """The figure :func:`plan_png` renders: peak reserved memory against the speed the plan
+    ranked by (:func:`plan_speed`) for each candidate that fits (one marker per precision,
+    hollow with checkpointing), the Pareto front joined, the recommendation starred, the
+    capacity dashed. None without data.
 
     Args:
         plan: a plan as ``Plan.to_dict()`` or ``memfit plan --json`` gives it.
     """
+    speed, speed_label = plan_speed(plan)
     measured = [
         c
         for c in plan.get("candidates") or []
         if isinstance(c, Mapping)
         and c.get("fits")
         and isinstance(c.get("peak_reserved"), int)
-        and isinstance(c.get("samples_per_second"), (int, float))
+        and isinstance(c.get(speed), (int, float))
     ]
     if not measured:
         return None
@@ -196,41 +229,43 @@ def plan_figure(plan: Mapping[str, Any]) -> Figure | None:
     axes = figure.subplots()
     axes.set_title(f"memfit plan · target batch {plan.get('target_batch_size', '?')}", loc="left", fontsize=11)
     markers = {"fp32": "o", "bf16": "s", "fp16": "^"}
+    modes = sorted({str(c.get("checkpointing")) for c in measured}, key=lambda m: (m != "none", m))
     for precision, marker in markers.items():
-        for checkpointing, fill in (("none", "#0969da"), ("blocks", "none")):
+        for checkpointing in modes:
             group = [c for c in measured if c.get("precision") == precision and c.get("checkpointing") == checkpointing]
             if group:
+                named = {"none": "", "blocks": ", checkpointing"}.get(checkpointing, f", checkpointing {checkpointing}")
                 axes.scatter(
                     [c["peak_reserved"] / size for c in group],
-                    [c["samples_per_second"] for c in group],
+                    [c[speed] for c in group],
                     marker=marker,
                     s=55,
-                    facecolors=fill,
+                    facecolors="#0969da" if checkpointing == "none" else "none",
                     edgecolors="#0969da",
-                    label=f"{precision}" + (", checkpointing" if checkpointing == "blocks" else ""),
+                    label=f"{precision}{named}",
                 )
     for c in measured:
         axes.annotate(
             f"{c.get('micro_batch_size')}×{c.get('accumulation_steps')}",
-            (c["peak_reserved"] / size, c["samples_per_second"]),
+            (c["peak_reserved"] / size, c[speed]),
             textcoords="offset points",
             xytext=(5, 4),
             fontsize=8,
         )
-    front = [c for c in plan.get("pareto") or [] if isinstance(c, Mapping) and c.get("samples_per_second")]
+    front = [c for c in plan.get("pareto") or [] if isinstance(c, Mapping) and c.get(speed)]
     if len(front) > 1:
         axes.plot(
             [c["peak_reserved"] / size for c in front],
-            [c["samples_per_second"] for c in front],
+            [c[speed] for c in front],
             color="#9a6700",
             linewidth=1,
             label="Pareto front",
         )
     best = plan.get("recommended")
-    if isinstance(best, Mapping) and best.get("samples_per_second"):
+    if isinstance(best, Mapping) and best.get(speed):
         axes.scatter(
             [best["peak_reserved"] / size],
-            [best["samples_per_second"]],
+            [best[speed]],
             marker="*",
             s=260,
             color="#cf222e",
@@ -242,7 +277,7 @@ def plan_figure(plan: Mapping[str, Any]) -> Figure | None:
             capacity / size, color="#1f2328", linestyle="--", linewidth=1, label=f"capacity {format_size(capacity)}"
         )
     axes.set_xlabel(f"peak reserved ({unit})")
-    axes.set_ylabel("samples/s")
+    axes.set_ylabel(speed_label)
     axes.set_xlim(left=0)
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
