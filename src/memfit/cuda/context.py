@@ -131,7 +131,7 @@ CONTEXT_FIGURES: tuple[ContextFigure, ...] = (
     _lazy("turing", "ptrblck, pytorch/pytorch#107667: ~300 MB with lazy loading (CUDA >= 11.7)"),
     _lazy("ampere", "ptrblck, pytorch/pytorch#109888: around 400 MB with lazy loading (CUDA >= 11.7)"),
     _lazy("ada", "ptrblck, pytorch/pytorch#109888: around 400 MB with lazy loading (CUDA >= 11.7)"),
-    _lazy("hopper", "no published figure; memfit's assumption, measured by bench/gpu_accuracy.py"),
+    _lazy("hopper", "ASSUMED: no published figure; bench/gpu_accuracy.py measures it on a lent GPU (not run yet)"),
     ContextFigure(
         int(253.75 * MiB),
         "lazy",

@@ -114,7 +114,8 @@ class GPU:
 
     @property
     def context(self) -> int:
-        # A family without a measured context (Blackwell) takes Hopper's, the newest measured.
+        # A family without a context figure of its own (Blackwell) takes Hopper's, itself an
+        # assumption (no published figure: see memfit.cuda.context.CONTEXT_FIGURES).
         return CONTEXT_BY_FAMILY.get(self.family, CONTEXT_BY_FAMILY["hopper"])
 
     @property
