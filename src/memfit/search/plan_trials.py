@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.gpus import GPU
 from memfit.memory.oom import is_oom, release_cached_memory
@@ -162,8 +162,11 @@ class Failures:
         try:
             measurement = run_trial(workload, settings, device)
         except Exception as error:
-            if is_oom(error):
-                raise  # run_trial reports memory as a result; an OOM here is a bug to show
+            if is_oom(error) or isinstance(error, WorkloadError):
+                # run_trial reports memory as a result; an OOM here is a bug to show. A
+                # workload's broken contract (a closure optimizer, a loss that is not one
+                # number) is the same for every candidate: refused now, not after each.
+                raise
             failed = True
             self.count += 1
             self.last_reason = one_line(error)
