@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.cuda.counting import not_counted
 from memfit.workload import Workload
 
 __all__ = ["preserved", "preserved_workload", "Snapshot", "RngState", "save_rng", "restore_rng", "TensorSnapshot"]
@@ -117,7 +118,10 @@ class TensorSnapshot:
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to("cpu", copy=True)
+    # Not counted: an optimizer handed out during a trial is snapshotted inside the
+    # device, and on a simulated GPU (the CPU) a host copy would be charged to it.
+    with not_counted():
+        return tensor.to("cpu", copy=True)
 
 
 @dataclass

@@ -178,6 +178,7 @@ def search(
         trials.append(result)
         if progress is not None:
             progress(batch_size, result)
+        result.refuse_if_retained()  # later trials would see a smaller device
         if result.fits and not result.finite_loss:
             raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(result)))
         return result
@@ -262,6 +263,7 @@ def confirmed_search(
         real.append(measured)
         if progress is not None:
             progress(batch_size, measured)
+        measured.refuse_if_retained()
         if measured.fits and not measured.finite_loss:
             raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(measured)))
         return measured
