@@ -133,3 +133,13 @@ def test_snapshot_add_skips_none_and_duplicates() -> None:
 def test_unsupported_objects_are_refused() -> None:
     with pytest.raises(TypeError, match="cannot preserve a int"):
         Snapshot.take([3])
+
+
+def test_requires_grad_and_a_frozen_parameter_come_back() -> None:
+    model, optimizer, _ = make_training_state()
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    with preserved(model, optimizer):
+        frozen.requires_grad_(True)
+        model[2].bias.requires_grad_(False)
+    assert not frozen.requires_grad and model[2].bias.requires_grad

@@ -246,7 +246,7 @@ def candidate_ranks(workload: Workload, settings: Settings) -> list[int]:
             with watching_positions() as positions:
                 model = _fake_workload(workload, mode, False, positions).build_model()
             if settings.shard == "optimizer":
-                zero: Any = wrap_optimizer(workload.optimizer(model.parameters()))
+                zero: Any = wrap_optimizer(workload.make_optimizer(model))
                 partitions = [
                     [p for group in groups for p in group["params"]] for groups in zero._partition_parameters()
                 ]

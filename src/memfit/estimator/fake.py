@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,24 +190,16 @@ class _FakeDevice(SimDevice):
         return "fake tensors (CUDA allocator model, no limit)"
 
 
-def _with_foreach(
-    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
     """Make the optimizer use its foreach implementation unless the user chose one.
 
     Why: on CUDA, PyTorch's optimizers default to foreach (whole-list kernels whose
     temporaries span every parameter); on CPU and on fake tensors they default to the
     per-parameter loop. A GPU target must see CUDA's choice.
     """
-
-    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        optimizer = make_optimizer(params)
-        for group in optimizer.param_groups:
-            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True
-        return optimizer
-
-    return make
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
 
 
 def _fake_workload(workload: Workload, mode: FakeTensorMode, foreach: bool, positions: PositionsWatch) -> Workload:
@@ -219,8 +211,8 @@ def _fake_workload(workload: Workload, mode: FakeTensorMode, foreach: bool, posi
     if isinstance(workload.model, nn.Module):
         with FakeCopyMode(mode):
             changes["model"] = copy.deepcopy(workload.model)
-    if foreach:
-        changes["optimizer"] = _with_foreach(workload.optimizer)
+    if foreach:  # the factory keeps its form: optimizer(params) or optimizer(model)
+        changes["optimizer"] = workload.with_optimizer_hook(_use_foreach).optimizer
     make_batch = workload.make_batch
 
     def observed_batch(size: int) -> Any:
@@ -274,7 +266,7 @@ def run_fake_steps(
 
     ``budget`` caps modeled reserved memory as the simulated GPU does (an OOM there is
     ``fits=False``, not an error). ``foreach=True`` gives optimizers CUDA's default
-    implementation (see :func:`_with_foreach`). ``cuda`` is the CUDA GPU whose semantics
+    implementation (see :func:`_use_foreach`). ``cuda`` is the CUDA GPU whose semantics
     the steps follow (:mod:`memfit.cuda.semantics`); None keeps the CPU's. ``count_ops=True``
     records the last step's operations (:class:`~memfit.estimator.timing.OpCounter`) for the
     predicted step time. ``history=True`` also records the allocator's history for

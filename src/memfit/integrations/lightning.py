@@ -112,6 +112,45 @@ def first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise MemfitError(f"configure_optimizers returned {type(configured).__name__}: found no optimizer to probe with")
 
 
+def refuse_manual_optimization(module: pl.LightningModule, *, probe: bool, guard: bool) -> None:
+    """Refuse, in one line and before any step, to probe or guard a manual-optimization module.
+
+    Why: the probe and the guard run ``training_step`` for its loss and leave backward
+    and the optimizer step to memfit (probe) or to Lightning (guard); a module with
+    ``automatic_optimization = False`` calls ``manual_backward`` and its optimizers' steps
+    itself, through the trainer, which neither can stand in for.
+
+    Args:
+        module: the LightningModule being fitted.
+        probe: whether the callback probes.
+        guard: whether the callback guards.
+    """
+    if module.automatic_optimization or not (probe or guard):
+        return
+    raise MemfitError(
+        f"MemfitCallback(probe=..., guard=...) drives automatic optimization; {type(module).__name__} uses manual "
+        "optimization (automatic_optimization = False), whose training_step steps its own optimizers: pass "
+        "MemfitCallback(probe=False, guard=False) to keep the memory monitor, probe a Workload of one step "
+        "with memfit.probe, or use memfit.Guard inside training_step"
+    )
+
+
+def takes_batch_idx(training_step: Callable[..., Any]) -> bool:
+    """True when a bound ``training_step`` takes a second argument (``batch_idx``), as Lightning checks.
+
+    Args:
+        training_step: the module's bound ``training_step``.
+    """
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(training_step).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
 def batch_maker(dataloader: Any) -> Callable[[int], Any]:
     """``make_batch(n)``: ``n`` samples of the loader's dataset (cycled), collated as the loader does.
 
@@ -232,6 +271,8 @@ class MemfitCallback(pl.Callback):
     # -- Lightning hooks -----------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Before anything runs: the probe and the guard drive automatic optimization only.
+        refuse_manual_optimization(pl_module, probe=self.probe, guard=self.guard)
         # Entered here, after the strategy set up (DDP's wrapping and its first broadcast
         # are not training memory), and before the probe and the first step.
         self._device = self._resolve_device(pl_module)
@@ -313,9 +354,13 @@ class MemfitCallback(pl.Callback):
             )
         make_batch = self.make_batch or batch_maker(trainer.fit_loop._data_source.dataloader())
 
+        # training_step(batch, batch_idx) or training_step(batch): Lightning passes batch_idx
+        # only when the method takes it, and so does the probe
+        index = (0,) if takes_batch_idx(training_step) else ()
+
         def loss(model: nn.Module, batch: Any) -> torch.Tensor:
             with _without_trainer(pl_module):
-                return loss_of(training_step(batch, 0))
+                return loss_of(training_step(batch, *index))
 
         def optimizer(_params: Any) -> torch.optim.Optimizer:
             return first_optimizer(pl_module.configure_optimizers())

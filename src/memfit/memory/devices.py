@@ -119,6 +119,10 @@ class Device(ABC):
         """True when training in ``precision`` works on this device."""
         return True
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor``'s memory counts on this device (what a leak check sums)."""
+        return tensor.device == self.torch_device
+
     def memory_allocated(self) -> int:
         return self.memory_stats().get("allocated_bytes.all.current", 0)
 
@@ -231,6 +235,9 @@ class SimDevice(Device):
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> None:
         self.tracker.adopt(tensors)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self.tracker.tracks(tensor)
 
     def memory_stats(self) -> dict[str, int]:
         return self.allocator.stats()

@@ -245,6 +245,15 @@ class StorageTracker(TorchDispatchMode):
         for storage in storages_of(list(tensors)):
             self._see(storage)
 
+    def tracks(self, tensor: torch.Tensor) -> bool:
+        """True when ``tensor``'s storage is tracked (counted by the listener) now."""
+        try:
+            key = id(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return False
+        with self._lock:
+            return key in self._tracked
+
     @property
     def tracked_bytes(self) -> int:
         with self._lock:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from memfit._html import HtmlRepr
+from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.memory.oom import is_oom, release_cached_memory
+from memfit.run.retained import Resident, resident, retained_message
 from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
 from memfit.workload import Workload, load_workload
@@ -49,6 +51,11 @@ class Measurement(HtmlRepr):
     loss: float | None = None
     finite_loss: bool = True
     fake: bool = False
+    #: device memory the run left allocated beyond what the workload's model instance and
+    #: optimizer state keep (0: the device is back where it started)
+    retained: int = 0
+    #: None, or one line naming what holds ``retained`` (see :mod:`memfit.run.retained`)
+    retained_by: str | None = None
 
     @property
     def samples_per_second(self) -> float | None:
@@ -61,7 +68,15 @@ class Measurement(HtmlRepr):
         data = asdict(self)
         if not self.fake:
             del data["fake"]
+        if not self.retained:
+            del data["retained"], data["retained_by"]
         return data
+
+    def refuse_if_retained(self) -> None:
+        """Raise the one-line :class:`MemfitError` when the run left memory behind: a search's
+        later trials would see a smaller device (probe and plan call this after each real run)."""
+        if self.retained and self.retained_by:
+            raise MemfitError(self.retained_by)
 
 
 def measure(
@@ -88,6 +103,7 @@ def measure(
     settings = (settings or Settings()).replace(micro_batch_size=batch_size)
     gpu.empty_cache()
     gpu.reset_peak_memory_stats()
+    start = gpu.memory_allocated(), resident(workload, gpu)
     fits = True
     seconds = None
     losses: list[float] = []
@@ -114,9 +130,32 @@ def measure(
         finite_loss=not not_finite,
     )
     gpu.empty_cache()
+    result = _with_retained(result, workload, gpu, start)
+    if result.retained_by:
+        warnings.warn(result.retained_by, UserWarning, stacklevel=2)
     if not_finite:
         warnings.warn(non_finite_loss_message(workload.name, batch_size, not_finite[0]), UserWarning, stacklevel=2)
     return result
+
+
+def _with_retained(result: Measurement, workload: Workload, gpu: Device, start: tuple[int, Resident]) -> Measurement:
+    """The measurement, with the memory the run left on the device and what holds it.
+
+    Why "beyond the model instance and optimizer state": a script's own model and
+    optimizer stay on the device between runs by design (the first run may put them
+    there); anything else still allocated after the run was kept by the workload (or by
+    an exception still alive), and every later run would see a smaller device.
+    """
+    allocated, before = start
+    if gpu.memory_allocated() <= allocated:
+        return result
+    release_cached_memory()  # reference cycles (a model holding itself) are freed by a collection
+    after = resident(workload, gpu)
+    retained = gpu.memory_allocated() - allocated - max(0, after.kept - before.kept)
+    if retained <= 0:
+        return result
+    message = retained_message(workload.name, result.batch_size, retained, before, after)
+    return replace(result, retained=retained, retained_by=message)
 
 
 def non_finite_loss_message(name: str, batch_size: int, loss: float) -> str:

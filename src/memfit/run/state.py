@@ -1,10 +1,13 @@
 """Save and restore training state, so probing inside a real training script leaves no trace.
 
-:func:`preserved` snapshots, on entry, a model's parameters, buffers and gradients, any
+:func:`preserved` snapshots, on entry, a model's parameters, buffers and gradients (and
+each one's ``requires_grad``, each module's train flag), any
 object with ``state_dict`` / ``load_state_dict`` (optimizers, GradScalers, LR schedulers)
 and the random number generators (Python's ``random``, NumPy's global generator, torch's
 CPU generator and every initialized CUDA generator); on exit it puts every one of them
-back, bit for bit, whatever happened inside.
+back, bit for bit, whatever happened inside. :func:`preserved_workload` is the one
+mechanism probe, plan and fit use: it preserves a workload's model instance and every
+optimizer its factory hands out during the block (a script's own optimizer included).
 
 Why copies on the host: a snapshot kept on the GPU would take the very memory a probe is
 measuring. Why copy into the same tensors: the caller's optimizer holds references to
@@ -32,7 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["preserved", "Snapshot", "RngState", "save_rng", "restore_rng", "TensorSnapshot"]
+from memfit.cuda.counting import not_counted
+from memfit.workload import Workload
+
+__all__ = ["preserved", "preserved_workload", "Snapshot", "RngState", "save_rng", "restore_rng", "TensorSnapshot"]
 
 
 @dataclass
@@ -84,6 +90,7 @@ class TensorSnapshot:
     device: torch.device
     grad: torch.Tensor | None = None
     had_grad: bool = False
+    requires_grad: bool = False
 
     @classmethod
     def of(cls, tensor: torch.Tensor, *, with_grad: bool) -> TensorSnapshot:
@@ -94,6 +101,7 @@ class TensorSnapshot:
             device=tensor.device,
             grad=None if grad is None else _host_copy(grad.detach()),
             had_grad=grad is not None,
+            requires_grad=tensor.requires_grad,
         )
 
     def restore(self) -> None:
@@ -105,10 +113,15 @@ class TensorSnapshot:
                 self.tensor.copy_(self.copy)
             if isinstance(self.tensor, nn.Parameter) or self.tensor.requires_grad:
                 self.tensor.grad = None if self.grad is None else self.grad.to(self.device, copy=True)
+        if self.tensor.is_leaf and self.tensor.requires_grad != self.requires_grad:
+            self.tensor.requires_grad_(self.requires_grad)
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to("cpu", copy=True)
+    # Not counted: an optimizer handed out during a trial is snapshotted inside the
+    # device, and on a simulated GPU (the CPU) a host copy would be charged to it.
+    with not_counted():
+        return tensor.to("cpu", copy=True)
 
 
 @dataclass
@@ -182,3 +195,23 @@ def preserved(*objects: Any) -> Iterator[Snapshot]:
         yield snapshot
     finally:
         snapshot.restore()
+
+
+@contextmanager
+def preserved_workload(workload: Workload, *objects: Any) -> Iterator[Workload]:
+    """Preserve a workload's model instance, the optimizers it hands out and ``objects``.
+
+    Yields the workload to run inside the block: a workload built around a model instance
+    comes back with its optimizer factory snapshotting each optimizer it returns, before
+    it is stepped (a script's ``optimizer=lambda params: opt`` hands out its own, live
+    optimizer); a fresh optimizer per trial is snapshotted too, harmlessly. The random
+    generators are restored on exit whatever the workload, so a search draws nothing
+    from the caller's streams. On exit, success or error, everything is put back.
+
+    Args:
+        workload: the workload probe, plan or fit will run.
+        objects: further objects to restore (a GradScaler, an LR scheduler).
+    """
+    model = workload.model if isinstance(workload.model, nn.Module) else None
+    with preserved(model, *objects) as snapshot:
+        yield workload if workload.builds_fresh_models else workload.with_optimizer_hook(snapshot.add)

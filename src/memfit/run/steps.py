@@ -16,6 +16,7 @@ run needs. Each step runs ``accumulation_steps`` forward/backward passes of
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterator
@@ -94,7 +95,8 @@ def run_steps(
         trained = applied.model
         optimizer = None
         try:
-            optimizer = applied.optimizer(workload.optimizer)
+            # optimizer(params) or optimizer(model): the workload reads which from its factory
+            optimizer = applied.optimizer(functools.partial(workload.make_optimizer, model))
             scaler = make_scaler(settings.precision, device.autocast_device_type)
             with (
                 module_labels(model) if label_modules else _nothing(),

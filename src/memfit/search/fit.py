@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
 from memfit.run.settings import Checkpointing, Precision, Settings
+from memfit.run.state import preserved_workload
 from memfit.run.strategy import Shard
 from memfit.search.candidates import Candidate, check_target
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom
-from memfit.search.lock import Lock, Measured, write_lock
+from memfit.search.lock import Lock, Measured, Predicted, write_lock
 from memfit.search.plan import Plan, plan
 from memfit.search.trials import TrialKind, trial_line
 from memfit.units import format_size
@@ -261,19 +262,23 @@ def fit(
 
     machine = system.current_probe()  # one probe: its answers are read once, for doctor and lock
     diagnosis = _doctor(machine, say) if run_doctor else None
-    predicted, estimate_error = _estimate(request)
-    found = _probe(request, predicted)
-    target = target_batch_size or found.recommended_batch_size * world_size
-    chosen = _plan(request, target)
-    best = chosen.recommended
-    if best is None or best.measurement is None:
-        raise MemfitError(chosen.reason)
-    lock = _lock(request, machine, best, target, found.max_batch_size)
-    report_path = None
-    if report_dir is not None:
-        report_path = _report(
-            request, Path(report_dir) / "report.html", best.settings, _Findings(diagnosis, predicted, found, chosen)
-        )
+    # Every phase runs the caller's model instance and optimizer: all of it comes back, and
+    # every RNG, success or error (probe and plan restore too; this covers the phases between).
+    with preserved_workload(request.workload) as preserved:
+        request = replace(request, workload=preserved)
+        predicted, estimate_error = _estimate(request)
+        found = _probe(request, predicted)
+        target = target_batch_size or found.recommended_batch_size * world_size
+        chosen = _plan(request, target)
+        best = chosen.recommended
+        if best is None or best.measurement is None:
+            raise MemfitError(chosen.reason)
+        lock = _lock(request, machine, best, chosen.speed_gpu, (target, found.max_batch_size))
+        report_path = None
+        if report_dir is not None:
+            report_path = _report(
+                request, Path(report_dir) / "report.html", best.settings, _Findings(diagnosis, predicted, found, chosen)
+            )
     path = write_lock(lock, lock_path)  # last: a lock on disk means the whole fit succeeded
     return FitResult(
         workload=request.workload.name,
@@ -351,6 +356,8 @@ def _estimate(request: FitRequest) -> tuple[Any, str | None]:
     say("estimate: predicting peak memory on fake tensors")
     try:
         return estimate(wl, None, request.first_settings, device=gpu), None
+    except WorkloadError:
+        raise  # the workload's contract (a closure optimizer): refused before probe and plan
     except Exception as error:  # noqa: BLE001 - as probe does: the trials that follow decide
         # Why go on: fake tensors cannot run every step (a value read in forward); the
         # estimate only saves trials. A bug in the step shows up in the first trial.
@@ -400,12 +407,20 @@ def _plan(request: FitRequest, target: int) -> Plan:
     )
 
 
-def _lock(request: FitRequest, machine: Any, best: Candidate, target: int, max_batch_size: int) -> Lock:
-    """The lock for the chosen settings: what they measured, and the environment."""
+def _lock(request: FitRequest, machine: Any, best: Candidate, speed_gpu: str | None, found: tuple[int, int]) -> Lock:
+    """The lock for the chosen settings: what real runs measured, what was predicted, the environment.
+
+    Why apart: a fake-tensor trial (a simulated GPU's) and the step-time model are
+    predictions; only a real run on the device is a measurement, and a speed nobody
+    measured (a fake trial has no time) is left out rather than written as 0.
+    """
     from memfit.environment.envfile import fingerprint
 
-    assert best.measurement is not None
+    measurement = best.measurement
+    assert measurement is not None
     gpu = request.device
+    target, max_batch_size = found
+    real = not measurement.fake
     return Lock(
         workload=request.workload.reference,
         workload_name=request.workload.name,
@@ -416,11 +431,18 @@ def _lock(request: FitRequest, machine: Any, best: Candidate, target: int, max_b
         measured=Measured(
             device=gpu.spec,
             capacity=gpu.capacity or 0,
-            peak_allocated=best.measurement.peak_allocated,
-            peak_reserved=best.measurement.peak_reserved,
-            samples_per_second=float(best.samples_per_second or 0.0),
+            peak_allocated=measurement.peak_allocated if real else None,
+            peak_reserved=measurement.peak_reserved if real else None,
+            samples_per_second=best.samples_per_second if real and best.samples_per_second else None,
             headroom=request.headroom,
             max_batch_size=max_batch_size,
+        ),
+        predicted=Predicted(
+            peak_allocated=None if real else measurement.peak_allocated,
+            peak_reserved=None if real else measurement.peak_reserved,
+            seconds_per_step=best.predicted_seconds_per_step,
+            samples_per_second=best.predicted_samples_per_second,
+            speed_gpu=speed_gpu if best.predicted_samples_per_second is not None else None,
         ),
     )
 

@@ -5,7 +5,9 @@ A lock is TOML with a schema version. It records the workload reference the user
 code, which the lock says in ``[workload] note``), the Settings
 the plan chose (precision, checkpointing, micro-batch, accumulation, and for several GPUs
 the world size and sharding strategy), the target batch,
-the measured peak memory and samples/s with the headroom kept, and the environment
+the measured peak memory and samples/s with the headroom kept (``[measured]``: only what
+real runs on the device gave; what fake-tensor trials or the step-time model gave is under
+``[predicted]``, and a figure nobody measured is left out, never written as 0), and the environment
 fingerprint (:mod:`memfit.environment.envfile`). :func:`check_lock` compares the fingerprint with this
 machine, so a changed GPU, torch or driver is noticed before a run fails.
 
@@ -56,7 +58,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["Lock", "Measured", "write_lock", "load_lock", "check_lock", "SCHEMA", "SCHEMA_VERSION"]
+__all__ = ["Lock", "Measured", "Predicted", "write_lock", "load_lock", "check_lock", "SCHEMA", "SCHEMA_VERSION"]
 
 SCHEMA = "memfit.lock"
 SCHEMA_VERSION = 1
@@ -69,15 +71,36 @@ NO_REFERENCE = (
 
 @dataclass(frozen=True)
 class Measured:
-    """What the plan measured for the chosen settings on the device it ran on."""
+    """What real runs of the chosen settings measured on the device (None: not measured)."""
 
     device: str = ""
     capacity: int = 0
-    peak_allocated: int = 0
-    peak_reserved: int = 0
-    samples_per_second: float = 0.0
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    samples_per_second: float | None = None
     headroom: float = DEFAULT_HEADROOM
     max_batch_size: int = 0  # probe's largest batch for the default settings (0: not probed)
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What fake-tensor trials and the step-time model predicted for the chosen settings
+    (None: not predicted); never a measurement."""
+
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    seconds_per_step: float | None = None
+    samples_per_second: float | None = None
+    #: the card the speed is predicted on
+    speed_gpu: str | None = None
+
+    def __bool__(self) -> bool:
+        return any(value is not None for value in asdict(self).values())
+
+
+def _present(table: object) -> dict[str, object]:
+    """A table's fields that hold a value (TOML has no null: an absent key is "not known")."""
+    return {key: value for key, value in asdict(table).items() if value is not None}  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -96,6 +119,7 @@ class Lock:
     environment: Fingerprint
     world_size: int = 1
     measured: Measured = field(default_factory=Measured)
+    predicted: Predicted = field(default_factory=Predicted)
     memfit_version: str = ""
     created: str = ""
     #: the workload's name, for people (defaults to the reference)
@@ -119,7 +143,8 @@ class Lock:
             "workload": self._workload_table(),
             "settings": {k: v for k, v in self.settings.to_dict().items() if v is not None},
             "target": {"batch_size": self.target_batch_size, "world_size": self.world_size},
-            "measured": asdict(self.measured),
+            "measured": _present(self.measured),
+            **({"predicted": _present(self.predicted)} if self.predicted else {}),
             "environment": self.environment.to_dict(omit_missing=True),
         }
         return tomli_w.dumps(document)
@@ -175,6 +200,7 @@ def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:
             target_batch_size=int(data["target"]["batch_size"]),
             world_size=int(data["target"].get("world_size", 1)),
             measured=Measured(**data.get("measured", {})),
+            predicted=Predicted(**data.get("predicted", {})),
             environment=Fingerprint.from_dict(data["environment"], source=f"{path} [environment]"),
             memfit_version=str(data.get("memfit_version", "")),
             created=str(data.get("created", "")),

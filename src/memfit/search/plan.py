@@ -72,11 +72,12 @@ from torch import nn
 from memfit import distributed
 from memfit._html import HtmlRepr
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.memory.devices import Device
+from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU
 from memfit.run.measure import Measurement
 from memfit.run.settings import PRECISIONS, Checkpointing, Precision, Settings
+from memfit.run.state import preserved_workload
 from memfit.run.strategy import Shard
 from memfit.search.candidates import (
     Candidate,
@@ -264,23 +265,27 @@ def plan(
         DoesNotFitError: no candidate fits within the headroom.
         MemfitError: a bad target or headroom; a trial whose loss is NaN or infinite.
     """
-    request = _resolve(
-        workload,
-        target_batch_size,
-        device,
-        world_size=world_size,
-        precisions=precisions,
-        checkpointing=checkpointing,
-        strategy_axis=(shards, gpus_per_node),
-        reference_batch_size=reference_batch_size,
-        headroom=headroom,
-        speed_gpu=speed_gpu,
-    )
-    return _plan(request, PlanHooks(predictor, run_trial, progress, predict_speed, say), trials)
+    wl = load_workload(workload)
+    # Nothing of the caller's changes: a model instance, its optimizer, every RNG (the
+    # candidates' models are built from the caller's streams), success or error.
+    with preserved_workload(wl) as preserved:
+        request = _resolve(
+            preserved,
+            target_batch_size,
+            device,
+            world_size=world_size,
+            precisions=precisions,
+            checkpointing=checkpointing,
+            strategy_axis=(shards, gpus_per_node),
+            reference_batch_size=reference_batch_size,
+            headroom=headroom,
+            speed_gpu=speed_gpu,
+        )
+        return _plan(request, PlanHooks(predictor, run_trial, progress, predict_speed, say), trials)
 
 
 def _resolve(
-    workload: Workload | str,
+    wl: Workload,
     target_batch_size: int,
     device: Device | str,
     *,
@@ -300,9 +305,10 @@ def _resolve(
             f"plan for {world_size} ranks rehearses one rank on a fake process group in one process; "
             "this one is already in a process group: run it without torchrun"
         )
-    wl = load_workload(workload)
     gpu = make_device(device)
-    card = speed_card(gpu, speed_gpu)
+    # A model instance comes with the script's own optimizer, bound to its real parameters:
+    # the fake steps of a predicted speed must not step it (as probe's guess does not).
+    card = speed_card(gpu, speed_gpu) if wl.builds_fresh_models else None
     usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
     model = wl.build_model()
     modes = list(checkpointing or checkpointing_modes(model))
@@ -327,7 +333,7 @@ def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
     """Weigh every group of candidates, confirm fake trials on the device, recommend."""
     given = hooks  # the caller's hooks: a re-plan on real trials starts from these, not the fake path's
     on_device, hooks = _trials_for(request, hooks, kind)
-    ledger = _Ledger({s: Candidate(s, "not run") for s in request.pool()}, card=request.card)
+    ledger = _new_ledger(request)
     for group in request.groups():
         _weigh_group(request, hooks, ledger, group)
     ledger.failures.raise_if_every_trial_failed()
@@ -346,6 +352,17 @@ def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
             return again
         ledger.trial_steps += confirmed
     return _result(request, ledger, measured, speed, on_device)
+
+
+def _new_ledger(request: PlanRequest) -> _Ledger:
+    """Every candidate not run yet, and the card whose predicted speed ranks them."""
+    ledger = _Ledger({s: Candidate(s, "not run") for s in request.pool()}, card=request.card)
+    if request.card is None and not request.workload.builds_fresh_models and isinstance(request.device, SimDevice):
+        ledger.speed_error = (
+            "the workload's model is an instance, with the script's own optimizer: fake steps must not step it, "
+            "so no speed is predicted and the measured one ranks"
+        )
+    return ledger
 
 
 def _trials_for(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> tuple[Trials | None, PlanHooks]:
@@ -400,6 +417,9 @@ def _group_limit(
     """The group's largest micro-batch by the predictor, and (the default estimator, several
     ranks) the rank its trace found heaviest there; (None, None) when it cannot say."""
     if hooks.predictor is None or ledger.estimate_error is not None:
+        return None, None
+    if hooks.predictor is estimated_max_micro_batch and not request.workload.builds_fresh_models:
+        # the estimator's fake steps would run the script's own optimizer (see _resolve)
         return None, None
     try:
         if hooks.predictor is estimated_max_micro_batch:

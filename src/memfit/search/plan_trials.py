@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.gpus import GPU
 from memfit.memory.oom import is_oom, release_cached_memory
@@ -162,8 +162,11 @@ class Failures:
         try:
             measurement = run_trial(workload, settings, device)
         except Exception as error:
-            if is_oom(error):
-                raise  # run_trial reports memory as a result; an OOM here is a bug to show
+            if is_oom(error) or isinstance(error, WorkloadError):
+                # run_trial reports memory as a result; an OOM here is a bug to show. A
+                # workload's broken contract (a closure optimizer, a loss that is not one
+                # number) is the same for every candidate: refused now, not after each.
+                raise
             failed = True
             self.count += 1
             self.last_reason = one_line(error)
@@ -174,6 +177,7 @@ class Failures:
             release_cached_memory()  # outside the except block: the failed step's tensors go
             device.empty_cache()
             return None
+        measurement.refuse_if_retained()  # the next candidates would see a smaller device
         if measurement.fits and not measurement.finite_loss:
             raise MemfitError(
                 non_finite_loss_message(workload.name, measurement.batch_size, measurement.loss or math.nan)
@@ -226,6 +230,9 @@ def confirm_on_device(
         except Exception as error:  # noqa: BLE001 - the real-trial plan reports it, candidate by candidate
             problem = one_line(error)
         steps += 2
+        if problem is None:
+            # a workload keeping memory from run to run is named, not blamed on fake tensors
+            real.refuse_if_retained()
         if problem is None and (status_of(real, request.budget, None) != "measured" or not real.finite_loss):
             problem = (
                 "out of memory" if not real.fits else "over the headroom" if real.finite_loss else "a loss not finite"

@@ -38,18 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
 from memfit import distributed
 from memfit._html import HtmlRepr
 from memfit.batch_search import Outcome, SearchSpace, answer, next_batch_size
-from memfit.errors import DoesNotFitError, MemfitError
+from memfit.errors import DoesNotFitError, MemfitError, WorkloadError
 from memfit.estimator.rehearsal import rehearsal
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement, non_finite_loss_message
 from memfit.run.settings import Settings
-from memfit.run.state import Snapshot, preserved
+from memfit.run.state import preserved_workload
 from memfit.run.strategy import describe
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom, next_headroom_batch, repeatable, within_budget
 from memfit.search.trials import TRIAL_KINDS, TrialKind, Trials, choose_trials
@@ -179,6 +178,7 @@ def search(
         trials.append(result)
         if progress is not None:
             progress(batch_size, result)
+        result.refuse_if_retained()  # later trials would see a smaller device
         if result.fits and not result.finite_loss:
             raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(result)))
         return result
@@ -263,6 +263,7 @@ def confirmed_search(
         real.append(measured)
         if progress is not None:
             progress(batch_size, measured)
+        measured.refuse_if_retained()
         if measured.fits and not measured.finite_loss:
             raise MemfitError(non_finite_loss_message(describe, batch_size, _loss_value(measured)))
         return measured
@@ -543,8 +544,7 @@ def _search_preserving(request: _ProbeRequest, hooks: _ProbeHooks) -> _Probed:
     """This rank's search, with the model, its optimizers and ``preserve`` put back afterwards."""
     wl, gpu, settings = request.workload, request.device, request.settings
     space, rank = request.space, hooks.rehearse_rank
-    with preserved(wl.model if isinstance(wl.model, nn.Module) else None, *hooks.preserve) as snapshot:
-        probed = _preserving_optimizers(wl, snapshot)
+    with preserved_workload(wl, *hooks.preserve) as probed:
         if request.guess == "estimate":
             guessed = estimated_guess(wl, gpu, settings, request.max_batch_size)
             space = dataclasses.replace(space, guess=guessed.batch_size)
@@ -600,30 +600,13 @@ def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: 
         predicted = estimate(
             workload, None, settings.replace(micro_batch_size=None), device=gpu, search_limit=limit, speed=False
         )
+    except WorkloadError:
+        raise  # the workload's contract (a closure optimizer): refused before any real trial
     except Exception:  # noqa: BLE001 - only the starting point is lost; real trials follow
         # A bug in the user's step shows up unchanged in the first real trial.
         return Guess(None, None)
     rank = predicted.rank if predicted.world_size > 1 and predicted.max_batch_size else None
     return Guess(predicted.max_batch_size or None, rank)
-
-
-def _preserving_optimizers(workload: Workload, snapshot: Snapshot) -> Workload:
-    """The workload with its optimizer factory snapshotting each optimizer it returns.
-
-    Why: a workload made in a training script may hand out the script's own optimizer
-    (``optimizer=lambda params: opt``); probing steps it, so its state must come back.
-    A fresh optimizer per trial is snapshotted too, harmlessly (its state is empty).
-    """
-    if workload.builds_fresh_models:
-        return workload
-    make = workload.optimizer
-
-    def optimizer(params: Any) -> torch.optim.Optimizer:
-        made = make(params)
-        snapshot.add(made)
-        return made
-
-    return dataclasses.replace(workload, optimizer=optimizer)
 
 
 def _search_capacity(gpu: Device) -> int | None:
