@@ -37,7 +37,7 @@ def _rows(n: int, width: int = 3) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("samples", "size", "expected"),
-    [(10, 4, [4, 4, 2]), (8, 4, [4, 4]), (1, 1, [1]), (3, 8, [3]), (7, 1, [1] * 7), (5, 5, [5])],
+    [(10, 4, [4, 3, 3]), (9, 4, [3, 3, 3]), (8, 4, [4, 4]), (1, 1, [1]), (3, 8, [3]), (7, 1, [1] * 7), (5, 5, [5])],
 )
 def test_chunk_sizes(samples: int, size: int, expected: list[int]) -> None:
     assert chunk_sizes(samples, size) == expected
@@ -111,7 +111,7 @@ def test_transformers_batch_encoding_splits() -> None:
     batch = BatchEncoding({"input_ids": torch.ones(4, 6, dtype=torch.long), "attention_mask": torch.ones(4, 6)})
     micro = split_batch(batch, 3)
     assert [type(m) for m in micro] == [BatchEncoding, BatchEncoding]
-    assert [m["input_ids"].shape[0] for m in micro] == [3, 1]
+    assert [m["input_ids"].shape[0] for m in micro] == [2, 2]
 
 
 @pytest.mark.parametrize("start, stop", [(0, 2), (1, 4), (3, 5)])
@@ -177,8 +177,8 @@ SEQ_FIRST = (torch.arange(35 * 6).reshape(35, 6), torch.arange(35 * 6).reshape(3
 def test_batch_dim_one_splits_sequence_first_tokens_along_the_batch() -> None:
     assert count_samples(SEQ_FIRST, 1) == 6
     micro_batches = split_batch(SEQ_FIRST, 4, batch_dim=1)
-    assert [m[0].shape for m in micro_batches] == [(35, 4), (35, 2)]
-    assert torch.equal(micro_batches[1][0], SEQ_FIRST[0][:, 4:])  # whole sequences, never cut
+    assert [m[0].shape for m in micro_batches] == [(35, 3), (35, 3)]
+    assert torch.equal(micro_batches[1][0], SEQ_FIRST[0][:, 3:])  # whole sequences, never cut
     assert micro_batches[0][0].data_ptr() == SEQ_FIRST[0].data_ptr()  # views
     joined = concat_outputs(micro_batches, batch_dim=1)
     assert all(torch.equal(a, b) for a, b in zip(joined, SEQ_FIRST))
@@ -191,7 +191,7 @@ def test_per_element_batch_dim_with_shared_data() -> None:
     spec = {"tokens": 1, "hidden": 1, "mask": None}  # an int at a container applies to everything under it
     assert count_samples(batch, spec) == 6
     micro = split_batch(batch, 5, batch_dim=spec)
-    assert [m["hidden"][1].shape for m in micro] == [(2, 5, 8), (2, 1, 8)]
+    assert [m["hidden"][1].shape for m in micro] == [(2, 3, 8), (2, 3, 8)]
     assert all(m["mask"] is mask for m in micro)
     assert count_samples(slice_batch(batch, 2, 5, spec), spec) == 3
 

@@ -26,15 +26,15 @@ whose leaves are ints or None (``(1, 1, None)`` for tokens, targets and a shared
 
 >>> tokens = torch.arange(12).reshape(3, 4)     # (sequence 3, batch 4)
 >>> count_samples(tokens, batch_dim=1), [m.shape for m in split_batch(tokens, 3, batch_dim=1)]
-(4, [torch.Size([3, 3]), torch.Size([3, 1])])
+(4, [torch.Size([3, 2]), torch.Size([3, 2])])
 
 >>> import torch
 >>> batch = {"x": torch.arange(10).reshape(5, 2), "y": torch.arange(5), "tag": "train"}
 >>> count_samples(batch)
 5
->>> [count_samples(m) for m in split_batch(batch, 2)]
-[2, 2, 1]
->>> split_batch(batch, 2)[2]["tag"]
+>>> [count_samples(m) for m in split_batch(batch, 3)]
+[3, 2]
+>>> split_batch(batch, 3)[1]["tag"]
 'train'
 >>> concat_outputs([torch.ones(2), torch.zeros(1)]).tolist()
 [1.0, 1.0, 0.0]
@@ -54,6 +54,9 @@ from memfit.errors import MemfitError
 __all__ = [
     "BatchDim",
     "chunk_sizes",
+    "user_chunk_sizes",
+    "tensor_leaves",
+    "along_several_dims",
     "count_samples",
     "split_batch",
     "slice_batch",
@@ -73,18 +76,32 @@ DimOf = Callable[[str, torch.Tensor], "int | None"]
 
 
 def chunk_sizes(samples: int, size: int) -> list[int]:
-    """The sample counts of the micro-batches of ``samples`` split at ``size``: full ones, then the rest.
+    """The sample counts of the micro-batches of ``samples`` at most ``size`` each, as equal as they can be.
 
-    Why a function: the guard weights each micro-batch by its share of the samples, and
-    must know those shares even when a user's own ``split=`` produced the micro-batches.
+    Why equal: a micro-batch much smaller than the others (10 at 4 as 4 + 4 + 2, 9 at 4
+    as 4 + 4 + 1) is where a loss that normalizes over its batch breaks down (the std()
+    of one sample is NaN); the same number of micro-batches can always be made to differ
+    by at most one sample. Why a function: the guard weights each micro-batch by its share.
 
-    >>> chunk_sizes(10, 4)
-    [4, 4, 2]
+    >>> chunk_sizes(10, 4), chunk_sizes(9, 4), chunk_sizes(8, 4)
+    ([4, 3, 3], [3, 3, 3], [4, 4])
     """
     if samples < 1:
         raise MemfitError(f"cannot split a batch of {samples} samples: it must hold at least one")
     if size < 1:
         raise MemfitError(f"invalid micro-batch size {size}: must be at least 1")
+    count = -(-samples // size)
+    base, extra = divmod(samples, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+def user_chunk_sizes(samples: int, size: int) -> list[int]:
+    """The sample counts a user's ``split(batch, size)`` returns: full micro-batches, then the rest.
+
+    >>> user_chunk_sizes(10, 4)
+    [4, 4, 2]
+    """
+    chunk_sizes(samples, size)  # the same checks
     full, rest = divmod(samples, size)
     return [size] * full + ([rest] if rest else [])
 
@@ -154,6 +171,37 @@ def _tensor_leaves(value: Any, path: str = "batch") -> Iterator[tuple[str, torch
         return
     for key, child in zip(*parts):
         yield from _tensor_leaves(child, _child_path(path, value, key))
+
+
+def tensor_leaves(value: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of a (nested) batch, with the path that names it (``batch['labels']``).
+
+    Args:
+        value: the batch.
+        path: the name of the root.
+    """
+    return list(_tensor_leaves(value, path))
+
+
+def along_several_dims(batch: Any, samples: int, batch_dim: BatchDim = 0) -> list[str]:
+    """Tensors whose size along another dimension than their batch dimension is also the sample count.
+
+    Why: a whole-graph model's adjacency ``(N, N)`` carries the samples along both
+    dimensions, and splitting one of them breaks it; an image batch ``(32, 3, 32, 32)``
+    looks the same by shape. The guard names them when a check on a real sub-batch fails.
+
+    >>> along_several_dims({"x": torch.ones(4, 3), "adj": torch.ones(4, 4)}, 4)
+    ["batch['adj'] (4, 4)"]
+    """
+    dim_of = batch_dims(batch, batch_dim)
+    found = []
+    for path, tensor in _tensor_leaves(batch):
+        dim = dim_of(path, tensor)
+        if dim is None or tensor.dim() <= dim:
+            continue
+        if any(size == samples for d, size in enumerate(tensor.shape) if d != dim):
+            found.append(f"{path} {tuple(tensor.shape)}")
+    return found
 
 
 def _map_leaves(values: Sequence[Any], fn: Callable[[list[Any], str], Any], path: str = "batch") -> Any:

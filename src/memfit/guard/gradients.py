@@ -16,6 +16,8 @@ __all__ = [
     "set_aside_gradients",
     "add_gradients",
     "drop_gradients",
+    "merge_gradients",
+    "restore_gradients",
     "tensor_bytes",
     "optimizer_state_tensors",
     "expected_optimizer_state_bytes",
@@ -57,6 +59,30 @@ def add_gradients(params: Sequence[nn.Parameter], gradients: Sequence[torch.Tens
             p.grad = old
         else:
             p.grad.add_(old)
+
+
+def merge_gradients(params: Sequence[nn.Parameter], gradients: Sequence[torch.Tensor | None] | None) -> None:
+    """Add gradients set aside onto ``.grad`` without changing them (a copy where ``.grad`` is None).
+
+    Why not :func:`add_gradients`: the guard keeps the set-aside tensors until the optimizer
+    step is done, to give them back unchanged if it fails; clipping and unscaling work in
+    place on ``.grad``, so ``.grad`` must never be one of them.
+    """
+    if gradients is None:
+        return
+    for p, old in zip(params, gradients):
+        if old is None:
+            continue
+        if p.grad is None:
+            p.grad = old.clone()
+        else:
+            p.grad.add_(old)
+
+
+def restore_gradients(params: Sequence[nn.Parameter], gradients: Sequence[torch.Tensor | None] | None) -> None:
+    """Make ``.grad`` exactly the gradients set aside (by :func:`set_aside_gradients`), dropping the rest."""
+    for index, p in enumerate(params):
+        p.grad = None if gradients is None else gradients[index]
 
 
 def tensor_bytes(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor]) -> int:

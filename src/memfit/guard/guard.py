@@ -10,21 +10,26 @@ does not fit when even one sample or the optimizer step runs out of memory.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memfit import distributed
 from memfit.errors import MemfitError
-from memfit.guard.batching import BatchDim
+from memfit.guard.batching import BatchDim, concat_outputs
 from memfit.guard.gradients import (
     expected_optimizer_state_bytes,
+    merge_gradients,
     optimizer_state_tensors,
     reset_scaler_step_state,
+    restore_gradients,
+    set_aside_gradients,
     tensor_bytes,
 )
+from memfit.guard.snapshot import OptimizerSnapshot, ScalerSnapshot
 from memfit.guard.splitter import (
     GuardError,
     OOMEvent,
@@ -45,6 +50,29 @@ __all__ = ["Guard", "BeforeStep"]
 BeforeStep = Callable[[nn.Module, torch.optim.Optimizer], None]
 
 
+def split_loss(returned: Any) -> tuple[torch.Tensor, Any]:
+    """The loss and the outputs (detached; None when none) in what ``loss_fn`` returned.
+
+    >>> split_loss((torch.tensor(1.0), {"logits": torch.ones(2, requires_grad=True)}))[1]["logits"].requires_grad
+    False
+    """
+    if isinstance(returned, torch.Tensor):
+        return returned, None
+    if isinstance(returned, Mapping) and isinstance(returned.get("loss"), torch.Tensor):
+        rest = {k: v for k, v in returned.items() if k != "loss"}
+        return returned["loss"], tree_map(_detach, rest)
+    if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[0], torch.Tensor):
+        return returned[0], tree_map(_detach, returned[1])
+    raise MemfitError(
+        f"loss_fn returned {type(returned).__name__}: return the loss (a tensor), (loss, outputs), "
+        "or a mapping with 'loss'"
+    )
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
 class Guard:
     """One optimizer step per batch that survives OOMs by splitting the batch.
 
@@ -58,8 +86,11 @@ class Guard:
     Args:
         model: the model being trained (a DDP-wrapped model is supported).
         optimizer: its optimizer.
-        loss_fn: ``loss_fn(model, micro_batch)`` returns the mean loss over the
-            micro-batch (run autocast inside it for mixed precision).
+        loss_fn: ``loss_fn(model, micro_batch)`` returns the micro-batch's loss (a mean,
+            a sum, a mean over valid tokens: how it reduces is checked on the first split),
+            or ``(loss, outputs)``, or a mapping with ``"loss"`` whose other entries are
+            outputs; the outputs of the whole batch are then :attr:`outputs` (run autocast
+            inside it for mixed precision).
         batch_dim: where the samples are in the batch: an int for every tensor (1 for
             ``(sequence, batch)`` data), a pytree of ints like the batch (None for data
             every micro-batch gets whole), or ``fn(path, tensor)``; 0 by default. A
@@ -79,6 +110,9 @@ class Guard:
         logger: where OOM events are logged.
         device: where memory is read for events and errors (found by itself on CUDA).
         micro_batch_size: start below the whole batch.
+        exact: refuse to split (:class:`~memfit.guard.errors.SplitRefusedError`) when the
+            split would change the gradient (BatchNorm in training, a loss that couples the
+            samples); False splits anyway, after a warning that says why it differs.
     """
 
     def __init__(
@@ -97,6 +131,7 @@ class Guard:
         logger: logging.Logger | None = None,
         device: Device | None = None,
         micro_batch_size: int | None = None,
+        exact: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -108,6 +143,10 @@ class Guard:
         self.before_step = before_step
         #: the whole batch's gradient norm before clipping, at the last step (with clip_grad_norm)
         self.grad_norm: float | None = None
+        #: the model's outputs at the last step, joined over its micro-batches and detached,
+        #: when ``loss_fn`` returns them (``(loss, outputs)`` or ``{"loss": ..., ...}``); else None
+        self.outputs: Any = None
+        self._outputs: list[Any] = []
         self.splitter = Splitter(
             model,
             batch_dim=batch_dim,
@@ -119,6 +158,8 @@ class Guard:
             logger=logger,
             optimizer=optimizer,
             on_discard=self._on_discard,
+            exact=exact,
+            check_finite=scaler is None,  # with a scaler, inf gradients are the scaler's to skip
         )
 
     @property
@@ -142,9 +183,27 @@ class Guard:
         return self.splitter.last
 
     def step(self, batch: Any) -> float:
-        """One optimizer step over the whole batch; returns the batch's loss."""
-        result = self.splitter.run(batch, self._forward_backward)
-        self._optimizer_step()
+        """One optimizer step over the whole batch; returns the batch's loss.
+
+        All or nothing: when anything fails (an OOM splitting cannot fix, an error in
+        ``loss_fn``, ``before_step`` or ``optimizer.step()``), the gradients, buffers,
+        generators, optimizer and scaler state are put back as they were before the call,
+        so a caller that catches the error and retries starts from its own state.
+        """
+        params = self.splitter.params
+        # The gradients held before the step (the caller's own accumulation) wait aside,
+        # untouched, until the step is done: a failed step gives them back as they were.
+        kept = set_aside_gradients(params)
+        self._outputs = []
+        try:
+            result = self.splitter.run(batch, self._forward_backward)
+        except BaseException:
+            restore_gradients(params, kept)
+            raise
+        merge_gradients(params, kept)
+        self._optimizer_step(params, kept)
+        outputs, self._outputs = self._outputs, []
+        self.outputs = None if not outputs or outputs[0] is None else concat_outputs(outputs)
         return result.loss
 
     def predict(self, batch: Any, fn: Callable[[Any], Any], *, output_dim: BatchDim | None = None) -> Any:
@@ -158,7 +217,8 @@ class Guard:
         return self.splitter.predict(batch, fn, output_dim=output_dim)
 
     def _forward_backward(self, micro: Any, share: float) -> torch.Tensor:
-        loss = self.loss_fn(self.model, micro)
+        loss, outputs = split_loss(self.loss_fn(self.model, micro))
+        self._outputs.append(outputs)
         weighted = loss if share == 1.0 else loss * share
         if self.scaler is not None:
             weighted = self.scaler.scale(weighted)
@@ -166,17 +226,27 @@ class Guard:
         return loss.detach()
 
     def _on_discard(self) -> None:
+        self._outputs = []  # the failed attempt's (or the check's) outputs
         if self.scaler is not None:
             reset_scaler_step_state(self.scaler)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, params: list[nn.Parameter], kept: list[torch.Tensor | None] | None) -> None:
         """``optimizer.step()``; an OOM here is the model states, which splitting cannot fix.
 
         In a process group the ranks agree on it, so no rank goes on to wait for a
-        step the others abandoned.
+        step the others abandoned. Whatever fails, the step is undone first (see :meth:`step`).
         """
         failed = False
         at_oom: dict[str, int | None] = {}
+        optimizer_before = OptimizerSnapshot(self.optimizer)
+        scaler_before = ScalerSnapshot(self.scaler)
+
+        def undo() -> str | None:
+            restore_gradients(params, kept)
+            self.splitter.undo()
+            scaler_before.restore()
+            return optimizer_before.restore()
+
         try:
             self._before_step()
             if self.scaler is not None:
@@ -186,6 +256,7 @@ class Guard:
                 self.optimizer.step()
         except BaseException as error:
             if not is_oom(error):
+                undo()
                 raise
             failed = True
             # Read while the step's temporaries are still alive: they are what did not fit.
@@ -193,9 +264,12 @@ class Guard:
             at_oom = {"allocated": allocated, "reserved": reserved, "requested": requested_bytes(error)}
         failed_anywhere = distributed.any_rank(failed) if distributed.is_distributed() else failed
         if failed_anywhere:
-            message = self._optimizer_oom_message(failed, at_oom)
+            message, parts = self._optimizer_oom_message(failed, at_oom)
             self.splitter._release_memory()
-            raise GuardError(*message)
+            partial = undo()
+            if partial is not None:
+                message += f"; {partial}"
+            raise GuardError(message, parts)
         self.optimizer.zero_grad(set_to_none=True)
 
     def _before_step(self) -> None:

@@ -41,7 +41,6 @@ import contextlib
 import logging
 import re
 import traceback
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -51,15 +50,19 @@ import torch
 from torch import nn
 
 from memfit import distributed
-from memfit.errors import DoesNotFitError, MemfitError
+from memfit.errors import MemfitError
 from memfit.guard.batching import (
     BatchDim,
     chunk_sizes,
     concat_outputs,
     count_samples,
     output_batch_dim,
+    slice_batch,
     split_batch,
+    user_chunk_sizes,
 )
+from memfit.guard.check import SplitCheck, check_split
+from memfit.guard.errors import GuardError, NonFiniteGradientError, SplitRefusedError
 from memfit.guard.fsdp import FSDPGuarding, PeerOutOfMemory, guarding
 from memfit.guard.gradients import (
     add_gradients,
@@ -69,7 +72,9 @@ from memfit.guard.gradients import (
     tensor_bytes,
 )
 from memfit.guard.policy import SplitPolicy
+from memfit.guard.reduction import Weighting, unchecked
 from memfit.guard.sequence import LayoutCheck
+from memfit.guard.snapshot import BufferSnapshots, RngState, SavedBuffers
 from memfit.memory.allocator import round_size, segment_size
 from memfit.memory.devices import Device, active_device
 from memfit.memory.oom import is_oom, release_cached_memory
@@ -133,15 +138,6 @@ class SplitResult:
     micro_batch_size: int
     micro_batches: int
     attempts: int
-
-
-class GuardError(DoesNotFitError):
-    """An OOM that splitting cannot fix: at micro-batch size 1, or in ``optimizer.step()``."""
-
-    def __init__(self, message: str, breakdown: dict[str, int | None] | None = None) -> None:
-        super().__init__(message)
-        #: bytes by category at the time of the OOM (None where unknown)
-        self.breakdown = breakdown or {}
 
 
 @dataclass
@@ -302,6 +298,8 @@ class Splitter:
         logger: logging.Logger | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         on_discard: Callable[[], None] | None = None,
+        exact: bool = True,
+        check_finite: bool = True,
     ) -> None:
         self.model = model
         self.batch_dim: BatchDim = 0 if batch_dim is None else batch_dim
@@ -314,6 +312,10 @@ class Splitter:
         self.logger = logger
         self.optimizer = optimizer
         self.on_discard = on_discard
+        self.exact = exact
+        self.check_finite = check_finite
+        #: how micro-batches are weighted, found by the check before the first split (None: not yet)
+        self.weighting: Weighting | None = None
         # Read once, as an optimizer does: walking the module tree every step costs more
         # than everything else the guard does. Frozen parameters simply have no gradient.
         self.params: list[nn.Parameter] = list(model.parameters())
@@ -323,6 +325,9 @@ class Splitter:
         #: FSDP2's heartbeats and local accumulation while a batch runs (None otherwise)
         self._fsdp: FSDPGuarding | None = None
         self._warned_batchnorm = False
+        self._buffers = BufferSnapshots(model)
+        #: the buffers and generators before the last batch (for :meth:`undo`)
+        self._before: tuple[SavedBuffers, RngState] | None = None
 
     # -- what callers read -------------------------------------------------------------
 
@@ -344,10 +349,15 @@ class Splitter:
         In a process group every rank must call this for every step (it is a collective).
         """
         samples = self._count(batch)
-        total_weight = self._total_weight(batch)
         params = self.params
         self._broadcast_buffers()
+        # What an attempt changes besides the gradients: buffers (BatchNorm's statistics)
+        # and the generators. Saved first, restored after a failed attempt and when an
+        # error escapes, so a retry (or the caller) starts from the state before the batch.
+        saved, rng = self._buffers.take(), RngState()
+        self._before = None
         kept = set_aside_gradients(params)
+        limit = self.policy.limit
         attempts = 0
         had_oom = False
         finished = False
@@ -356,6 +366,9 @@ class Splitter:
                 self._fsdp = fsdp
                 while True:
                     size = self.policy.size_for(samples)
+                    total_weight = None
+                    if size < samples:
+                        total_weight = self._prepare_split(batch, samples, forward_backward)
                     attempts += 1
                     attempt = self._attempt(batch, samples, size, total_weight, forward_backward)
                     if fsdp is not None:
@@ -366,13 +379,22 @@ class Splitter:
                     had_oom = True
                     self._recover(verdict, attempt.failure, params, kept)
                     del attempt
+                    self._buffers.restore(saved)
+                    rng.restore()
             self._average_gradients(params, verdict)
             add_gradients(params, kept)
             finished = True
+        except SplitRefusedError:
+            self.policy.limit = limit  # nothing was split: the next batch starts as this one did
+            raise
         finally:
-            if not finished:  # an error escapes: leave the gradients as they were before
+            if not finished:  # an error escapes: leave the gradients, buffers and generators as they were
                 drop_gradients(params)
                 add_gradients(params, kept)
+                self._buffers.restore(saved)
+                rng.restore()
+        self._buffers.learn(saved)
+        self._before = (saved, rng)
         self.last = SplitResult(
             loss=float(attempt.loss),
             samples=attempt.samples,
@@ -389,12 +411,25 @@ class Splitter:
         self.steps += 1
         return self.last
 
+    def undo(self) -> None:
+        """Put the buffers and generators back as they were before the last :meth:`run`.
+
+        Why: the guard calls it when the optimizer step after a batch fails (or the user's
+        ``before_step`` raises), so a caller that catches the error retries from its own
+        state; the gradients are the caller's to restore.
+        """
+        if self._before is not None:
+            saved, rng = self._before
+            self._buffers.restore(saved)
+            rng.restore()
+            self._before = None
+
     def _attempt(
         self, batch: Any, samples: int, size: int, total_weight: float | None, forward_backward: ForwardBackward
     ) -> _Attempt:
         """One pass over the batch at ``size``; stops at the first OOM (returned, not raised)."""
         micro_batches = self._split(batch, samples, size)
-        sizes = chunk_sizes(samples, size)
+        sizes = self._sizes(samples, size)
         attempt = _Attempt(micro_batches=len(micro_batches))
         total: float | torch.Tensor | None = None
         runs = len(micro_batches) if self._fsdp is None else self._fsdp.agree_count(len(micro_batches))
@@ -417,6 +452,8 @@ class Splitter:
                 break  # leave the except block: the traceback holds this micro-batch's tensors
             if padding:
                 continue
+            if self.check_finite and len(micro_batches) > 1 and self._fsdp is None:  # FSDP2: sharded, collective
+                self._refuse_non_finite(index, sizes, samples)
             loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
             weighted = loss if share == 1.0 else loss * share
             total = weighted if total is None else total + weighted
@@ -510,7 +547,7 @@ class Splitter:
             failure = None
             with torch.no_grad(), _no_collectives_in_forward_backward(self.model):
                 micro_batches = self._split(batch, samples, size)
-                for index, (micro, count) in enumerate(zip(micro_batches, chunk_sizes(samples, size))):
+                for index, (micro, count) in enumerate(zip(micro_batches, self._sizes(samples, size))):
                     try:
                         with self.layout.expect(count):
                             outputs.append(fn(micro))
@@ -546,7 +583,6 @@ class Splitter:
     def _split(self, batch: Any, samples: int, size: int) -> Sequence[Any]:
         if size >= samples:
             return [batch]  # the whole batch, untouched: the no-OOM path costs nothing
-        self._warn_batchnorm_once()
         if self.split is None:
             self.layout.before_split(f"batch_dim={self.batch_dim!r}" if self.batch_dim else "dimension 0")
             return split_batch(batch, size, self.batch_dim)
@@ -559,21 +595,84 @@ class Splitter:
             )
         return micro_batches
 
-    def _total_weight(self, batch: Any) -> float | None:
-        if self.weight is None:
-            return None
-        total = float(self.weight(batch))
-        if not total > 0:
-            raise MemfitError(f"weight(batch) is {total}: it must be positive (for example the number of tokens)")
+    def _sizes(self, samples: int, size: int) -> list[int]:
+        """The micro-batches' sample counts: as equal as can be, or a user's ``split``'s (full ones, then the rest)."""
+        return chunk_sizes(samples, size) if self.split is None else user_chunk_sizes(samples, size)
+
+    def _prepare_split(self, batch: Any, samples: int, forward_backward: ForwardBackward) -> float | None:
+        """Before the batch is split: the check (once), then the batch's total weight under its weighting."""
+        if self.weighting is None:
+            self.weighting = self._check(batch, samples, forward_backward)
+            if self.on_discard is not None:
+                self.on_discard()  # the check's passes leave nothing for the caller to keep
+        total = self.weighting.total(batch)
+        if total is not None and not total > 0:
+            raise MemfitError(
+                f"{self.weighting.name} of the batch is {total}: it must be positive to weight micro-batches by it"
+            )
         return total
+
+    def _check(self, batch: Any, samples: int, forward_backward: ForwardBackward) -> Weighting:
+        """Find the weighting on the user's loss (see :mod:`memfit.guard.check`); FSDP2: ``weight`` or samples."""
+        if self._fsdp is not None:  # its passes would need every rank's collectives in step
+            return unchecked(self.weight)
+        if self.split is None:
+            self.layout.before_split(f"batch_dim={self.batch_dim!r}" if self.batch_dim else "dimension 0")
+
+        def pieces(m: int) -> tuple[Any, Sequence[Any]]:
+            if self.split is not None:
+                return self.split(batch, m)[0], self.split(batch, 1)[:m]
+            return slice_batch(batch, 0, m, self.batch_dim), [
+                slice_batch(batch, j, j + 1, self.batch_dim) for j in range(m)
+            ]
+
+        def run(micro: Any, count: int) -> None:
+            with self.layout.expect(count):
+                forward_backward(micro, 1.0)
+
+        return check_split(
+            SplitCheck(
+                model=self.model,
+                params=self.params,
+                batch=batch,
+                samples=samples,
+                batch_dim=self.batch_dim,
+                weight=self.weight,
+                exact=self.exact,
+                pieces=pieces,
+                run=run,
+                buffers=self._buffers,
+                release=self._release_memory,
+                one_does_not_fit=self._one_does_not_fit,
+            )
+        )
+
+    def _one_does_not_fit(self, error: BaseException) -> GuardError:
+        """The error for one sample that does not fit (as after an OOM at micro-batch size 1)."""
+        failure = self._failure(0, error)
+        verdict = _Verdict(1, distributed.rank(), failure.where)
+        breakdown = self._breakdown(failure, self.params, None)
+        self._record(verdict, failure, 1, None)
+        return GuardError(self._does_not_fit_message(verdict, failure, breakdown), breakdown)
 
     def _share(self, micro: Any, count: int, samples: int, total_weight: float | None) -> float:
         """The micro-batch's part of the whole batch's loss."""
-        if count == samples:
+        if count == samples or self.weighting is None:
             return 1.0
-        if total_weight is None or self.weight is None:
-            return count / samples
-        return float(self.weight(micro)) / total_weight
+        return self.weighting.share(micro, count, samples, total_weight)
+
+    def _refuse_non_finite(self, index: int, sizes: list[int], samples: int) -> None:
+        """Raise when the gradient is NaN or infinite after micro-batch ``index`` (one sync per micro-batch)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads or bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()):
+            return
+        start = sum(sizes[:index])
+        raise NonFiniteGradientError(
+            f"memfit guard: micro-batch {index + 1} of {len(sizes)} (samples {start} to {start + sizes[index] - 1} "
+            f"of {samples}) made the gradient NaN or infinite at step {self.steps}: the optimizer did not step, "
+            "the parameters are unchanged; a loss can be undefined on a part of a batch (std() of few samples), "
+            "check it on micro-batches of that size, or free memory instead (bf16, activation checkpointing)"
+        )
 
     def _device(self) -> Device | None:
         """The device given, else the memfit device entered in this thread (``with memfit.device(...)``)."""
@@ -619,19 +718,6 @@ class Splitter:
         device = self._device()
         if device is not None:
             device.empty_cache()
-
-    def _warn_batchnorm_once(self) -> None:
-        if self._warned_batchnorm:
-            return
-        self._warned_batchnorm = True
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in self.model.modules()):
-            warnings.warn(
-                "memfit guard: splitting the batch of a model with BatchNorm layers in training mode; "
-                "each micro-batch is normalized with its own statistics, so the update differs from the "
-                "whole batch's. Use GroupNorm (or SyncBatchNorm) for an exact split.",
-                UserWarning,
-                stacklevel=4,
-            )
 
     def _record(self, verdict: _Verdict, failure: _Failure | None, before: int, after: int | None) -> None:
         event = OOMEvent(
