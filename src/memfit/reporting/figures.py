@@ -197,8 +197,12 @@ def plan_figure(plan: Mapping[str, Any]) -> Figure | None:
     axes.set_title(f"memfit plan · target batch {plan.get('target_batch_size', '?')}", loc="left", fontsize=11)
     markers = {"fp32": "o", "bf16": "s", "fp16": "^"}
     for precision, marker in markers.items():
-        for checkpointing, fill in (("none", "#0969da"), ("blocks", "none")):
-            group = [c for c in measured if c.get("precision") == precision and c.get("checkpointing") == checkpointing]
+        for recomputes, fill in ((False, "#0969da"), (True, "none")):
+            group = [
+                c
+                for c in measured
+                if c.get("precision") == precision and (c.get("checkpointing", "none") != "none") == recomputes
+            ]
             if group:
                 axes.scatter(
                     [c["peak_reserved"] / size for c in group],
@@ -207,7 +211,7 @@ def plan_figure(plan: Mapping[str, Any]) -> Figure | None:
                     s=55,
                     facecolors=fill,
                     edgecolors="#0969da",
-                    label=f"{precision}" + (", checkpointing" if checkpointing == "blocks" else ""),
+                    label=f"{precision}" + (", checkpointing" if recomputes else ""),
                 )
     for c in measured:
         axes.annotate(
