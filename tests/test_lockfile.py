@@ -58,9 +58,10 @@ def test_apply_gives_the_users_loop_what_it_needs(tmp_path):
     model = memfit.load_workload(lock.workload).build_model()
     plain = sum(1 for m in model.modules() if "forward" in m.__dict__)
     undo = lock.settings.apply(model)
-    assert sum(1 for m in model.modules() if "forward" in m.__dict__) == plain + 4  # four checkpointed blocks
     with lock.settings.autocast("cpu"):
-        out = model(torch.randn(2, 32))
+        out = model(torch.randn(2, 32))  # the first forward with gradients finds the blocks
+    assert sum(1 for m in model.modules() if "forward" in m.__dict__) == plain + 4  # four checkpointed blocks
+    assert undo.checkpointed.describe() == "4 x MLPBlock"
     assert out.dtype == torch.bfloat16
     assert not lock.settings.scaler("cpu").is_enabled()  # bf16 needs no loss scaling
     undo()

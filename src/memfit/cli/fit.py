@@ -22,7 +22,7 @@ from memfit.memory.devices import device
 from memfit.search.fit import fit
 
 if TYPE_CHECKING:
-    from memfit.run.settings import Checkpointing, Precision
+    from memfit.run.settings import Precision
     from memfit.run.strategy import Shard
     from memfit.search.trials import TrialKind
 
@@ -101,7 +101,7 @@ def command(
         max_batch_size=max_batch_size,
         world_size=world_size,
         precisions=cast("tuple[Precision, ...]", precisions) or None,
-        checkpointing=cast("tuple[Checkpointing, ...]", checkpointing) or None,
+        checkpointing=checkpointing or None,
         shards=cast("tuple[Shard, ...]", shards) or None,
         gpus_per_node=gpus_per_node,
         lock_path=lock_path,

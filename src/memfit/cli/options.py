@@ -14,13 +14,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memfit.errors import MemfitError
 from memfit.run.strategy import SHARDS, check_strategy
 from memfit.search.headroom import DEFAULT_HEADROOM
 from memfit.units import parse_size
 
 if TYPE_CHECKING:
     from memfit.environment.envfile import EnvironmentCheck
-    from memfit.run.settings import Checkpointing, Precision, Settings
+    from memfit.run.settings import Precision, Settings
 
 # memfit.run.settings and memfit.workload.zoo import torch: they are imported inside the decorators
 # that need them, so commands that do not (doctor, env, check) start fast.
@@ -104,14 +105,15 @@ def device_options(function: F) -> F:
 
 
 def settings_options(function: F) -> F:
-    from memfit.run.settings import CHECKPOINTING, PRECISIONS
+    from memfit.run.checkpointing import POLICY_HELP
+    from memfit.run.settings import PRECISIONS
 
     function = click.option(
         "--checkpointing",
-        type=click.Choice(CHECKPOINTING),
         default="none",
         show_default=True,
-        help="Recompute the model's repeated blocks in backward.",
+        callback=policy_list(single=True),
+        help=f"What backward recomputes: {POLICY_HELP} (memfit.run.checkpointing).",
     )(function)
     return click.option(
         "--precision",
@@ -195,7 +197,7 @@ def make_settings(precision: str, checkpointing: str, **extra: Any) -> Settings:
     """Settings from the command line's strings (click.Choice already checked them)."""
     from memfit.run.settings import Settings
 
-    return Settings(precision=cast("Precision", precision), checkpointing=cast("Checkpointing", checkpointing), **extra)
+    return Settings(precision=cast("Precision", precision), checkpointing=checkpointing, **extra)
 
 
 def strategy(world_size: int, shard: str, shard_group_size: int | None) -> dict[str, Any]:
@@ -263,17 +265,43 @@ def choice_list(
     return parse
 
 
+def policy_list(single: bool = False) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback for ``--checkpointing``: policies of :mod:`memfit.run.checkpointing`
+    (repeatable or a comma list, unless ``single``), each checked; ``budget`` only for a
+    plan's axis. A bad one is a bad option (one line, exit 2)."""
+    from memfit.run.checkpointing import BUDGET, parse
+
+    def check(_ctx: click.Context, param: click.Parameter, values: Any) -> Any:
+        items = [values] if single else [i.strip() for v in values or () for i in str(v).split(",")]
+        chosen: list[str] = []
+        for item in items:
+            try:
+                if single or item != BUDGET:
+                    parse(item)
+            except MemfitError as error:
+                raise click.BadParameter(str(error), param_hint=f"'--{param.name}'") from None
+            if item not in chosen:
+                chosen.append(item)
+        return chosen[0] if single else tuple(chosen)
+
+    return check
+
+
 def settings_axes_options(function: F) -> F:
     """``--precision`` and ``--checkpointing`` for plan and fit: which settings to consider."""
-    from memfit.run.settings import CHECKPOINTING, PRECISIONS
+    from memfit.run.checkpointing import POLICY_HELP
+    from memfit.run.settings import PRECISIONS
 
     function = click.option(
         "--checkpointing",
         "checkpointing",
         multiple=True,
-        callback=choice_list(CHECKPOINTING),
-        metavar="|".join(CHECKPOINTING),
-        help="Checkpointing modes to consider (repeatable or a comma list; default: all the model supports).",
+        callback=policy_list(),
+        metavar="POLICY",
+        help=(
+            f"Checkpointing to consider: {POLICY_HELP}, budget (the fewest blocks that fit); "
+            "repeatable or a comma list; default: none and blocks, where the model has blocks."
+        ),
     )(function)
     return click.option(
         "--precision",

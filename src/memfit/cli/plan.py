@@ -26,7 +26,7 @@ from memfit.search.plan import Plan, plan
 from memfit.workload import load_workload
 
 if TYPE_CHECKING:
-    from memfit.run.settings import Checkpointing, Precision
+    from memfit.run.settings import Precision
     from memfit.run.strategy import Shard
     from memfit.search.trials import TrialKind
 
@@ -105,7 +105,7 @@ def command(
         shards=cast("tuple[Shard, ...]", shards) or None,
         gpus_per_node=gpus_per_node,
         precisions=cast("tuple[Precision, ...]", precisions) or None,
-        checkpointing=cast("tuple[Checkpointing, ...]", checkpointing) or None,
+        checkpointing=checkpointing or None,
         reference_batch_size=reference_batch,
         headroom=headroom,
         progress=None if as_json else progress,

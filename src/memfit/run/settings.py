@@ -2,9 +2,11 @@
 
 - ``precision``: ``fp32``; ``bf16`` or ``fp16`` through ``torch.amp.autocast`` (fp16 with
   a ``torch.amp.GradScaler``).
-- ``checkpointing``: ``none``, or ``blocks``: the model's repeated blocks recompute their
-  activations in backward (``torch.utils.checkpoint`` with ``use_reentrant=False``; a
-  transformers model through its own ``gradient_checkpointing_enable``).
+- ``checkpointing``: which activations backward recomputes: ``none``; ``blocks`` (the
+  repeated blocks that run in forward, found by running it); ``every:K``, ``first:N``,
+  ``modules:NAME[+NAME...]``; ``selective`` (op-level selective checkpointing of every
+  block). See :mod:`memfit.run.checkpointing` (non-reentrant ``torch.utils.checkpoint``;
+  a transformers model's ``blocks`` through its own ``gradient_checkpointing_enable``).
 - ``micro_batch_size`` and ``accumulation_steps``: one optimizer step sees
   ``micro_batch_size * accumulation_steps`` samples.
 - ``world_size``, ``shard`` and ``shard_group_size``: how many ranks train together and
@@ -21,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from memfit.errors import MemfitError
+from memfit.run import checkpointing as _checkpointing
 from memfit.run.strategy import SHARDS, Shard, check_strategy
 
 if TYPE_CHECKING:
@@ -46,7 +48,6 @@ __all__ = [
     "PRECISIONS",
     "CHECKPOINTING",
     "find_blocks",
-    "enable_checkpointing",
     "autocast",
     "make_scaler",
     "Applied",
@@ -56,9 +57,11 @@ __all__ = [
 
 #: how forward and loss run: fp32, or bf16/fp16 autocast (fp16 with a GradScaler)
 Precision = Literal["fp32", "bf16", "fp16"]
-#: which activations backward recomputes: none, or the model's repeated blocks
-Checkpointing = Literal["none", "blocks"]
+#: which activations backward recomputes: a policy of :mod:`memfit.run.checkpointing`
+#: (``none``, ``blocks``, ``every:K``, ``first:N``, ``modules:NAME``, ``selective``)
+Checkpointing = str
 PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
+#: the checkpointing a plan considers by default (others are asked for by name)
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "blocks")
 
 
@@ -68,8 +71,9 @@ class Settings:
 
     Args:
         precision: ``fp32``, or ``bf16`` / ``fp16`` autocast (fp16 with a GradScaler).
-        checkpointing: ``none``, or ``blocks`` (the model's repeated blocks recompute
-            their activations in backward).
+        checkpointing: ``none``, ``blocks``, ``every:K``, ``first:N``,
+            ``modules:NAME[+NAME...]`` or ``selective`` (see
+            :mod:`memfit.run.checkpointing`).
         micro_batch_size: samples per forward/backward pass (None: not chosen yet).
         accumulation_steps: micro-batches per optimizer step.
         world_size: ranks training together (the process group must have as many).
@@ -91,8 +95,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise MemfitError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
-        if self.checkpointing not in CHECKPOINTING:
-            raise MemfitError(f"unknown checkpointing {self.checkpointing!r}: use one of {', '.join(CHECKPOINTING)}")
+        _checkpointing.check(self.checkpointing)
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise MemfitError(f"invalid micro-batch size {self.micro_batch_size}: must be at least 1")
         if self.accumulation_steps < 1:
@@ -120,7 +123,9 @@ class Settings:
 
         Returns an :class:`Applied`: ``.model`` is what to train (a DDP wrapper, or the
         model itself, sharded in place by FSDP2), ``.optimizer(make)`` makes its optimizer
-        (ZeRO-1 under ``shard="optimizer"``); calling it undoes the checkpointing.
+        (ZeRO-1 under ``shard="optimizer"``), ``.checkpointed`` names the modules that
+        recompute (after the model's first forward with gradients); calling it undoes the
+        checkpointing.
 
         Args:
             model: the model, already on its device.
@@ -130,7 +135,8 @@ class Settings:
         """
         from memfit.run.parallel import parallelize  # torch: see the note at the imports
 
-        undo: Callable[[], None] = enable_checkpointing(model) if self.checkpointing == "blocks" else (lambda: None)
+        checkpointed = _checkpointing.enable(model, self.checkpointing)
+        undo = checkpointed.undo
         try:
             parallel = parallelize(
                 model,
@@ -144,7 +150,7 @@ class Settings:
         except BaseException:
             undo()
             raise
-        return Applied(parallel, undo)
+        return Applied(parallel, checkpointed)
 
     def autocast(self, device_type: str = "cuda") -> contextlib.AbstractContextManager[None]:
         """The autocast context for forward and loss (a no-op for fp32)."""
@@ -163,9 +169,11 @@ class Applied:
     to drop, and FSDP2 shards the model in place for good.
     """
 
-    def __init__(self, parallel: Parallel, undo: Callable[[], None]) -> None:
+    def __init__(self, parallel: Parallel, checkpointed: _checkpointing.Checkpointed) -> None:
         self.parallel = parallel
-        self._undo = undo
+        #: the modules that recompute in backward (known after the first forward with gradients)
+        self.checkpointed = checkpointed
+        self._undo = checkpointed.undo
 
     @property
     def model(self) -> nn.Module:
@@ -212,13 +220,13 @@ def make_scaler(precision: str, device_type: str) -> torch.amp.GradScaler:
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the children of the ModuleList or Sequential whose
-    children all share one class, and which holds the most parameters.
+    """The model's repeated blocks as its containers list them (no forward run): the
+    children of the ModuleList or Sequential whose children all share one class, and which
+    holds the most parameters.
 
-    Why this rule: transformer layers, ResNet stages and MLP blocks all live in such a
-    container, and checkpointing each of them trades one block's activations for one
-    block's recompute. A container of mixed layers (Linear, ReLU, ...) is not a chain of
-    blocks and is left alone.
+    Why still a static rule: FSDP2 needs its units before any forward runs. Checkpointing
+    finds its blocks by running the model (:mod:`memfit.run.checkpointing`), across
+    containers.
     """
     from torch import nn
 
@@ -234,45 +242,6 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if params > best_params:
             best, best_params = children, params
     return best
-
-
-def enable_checkpointing(model: nn.Module) -> Callable[[], None]:
-    """Make each repeated block recompute its activations in backward; return an undo.
-
-    A transformers model uses its own ``gradient_checkpointing_enable`` (it knows its
-    blocks and their keyword arguments); any other model gets each block's ``forward``
-    wrapped in non-reentrant ``torch.utils.checkpoint``.
-    """
-    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
-        hf_model: Any = model  # a transformers PreTrainedModel
-        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        disable: Callable[[], None] = hf_model.gradient_checkpointing_disable
-        return disable
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    blocks = find_blocks(model)
-    if not blocks:
-        raise MemfitError(
-            f"checkpointing=blocks: found no repeated blocks in {type(model).__name__} "
-            "(a ModuleList or Sequential of modules of one class)"
-        )
-    for block in blocks:
-        original = block.forward
-
-        @functools.wraps(original)
-        def checkpointed(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return __original(*args, **kwargs)
-            return checkpoint(__original, *args, use_reentrant=False, **kwargs)
-
-        block.forward = checkpointed
-
-    def undo() -> None:
-        for block in blocks:
-            block.__dict__.pop("forward", None)
-
-    return undo
 
 
 @contextlib.contextmanager

@@ -42,6 +42,8 @@ class StepRun:
 
     step_seconds: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    #: (dotted path, class name) of each module checkpointing recomputed
+    checkpointed: list[tuple[str, str]] = field(default_factory=list)
 
 
 def run_steps(
@@ -111,6 +113,7 @@ def run_steps(
                     device.synchronize()
                     result.step_seconds.append(time.perf_counter() - started)
         finally:
+            result.checkpointed = list(applied.checkpointed.modules)
             applied.undo()
             model.train(was_training)
             if optimizer is not None:

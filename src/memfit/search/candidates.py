@@ -22,6 +22,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.gpus import GPU
+from memfit.run.checkpointing import recomputes_no_more
 from memfit.run.measure import Measurement
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
 from memfit.run.strategy import SHARDS, Shard, check_strategy, describe
@@ -172,7 +173,9 @@ def candidates(
 
 def describe_settings(s: Settings) -> str:
     """Precision, checkpointing and strategy in words: ``bf16, activation checkpointing, FSDP2 ...``."""
-    ckpt = ", activation checkpointing" if s.checkpointing == "blocks" else ""
+    ckpt = {"none": "", "blocks": ", activation checkpointing"}.get(
+        s.checkpointing, f", checkpointing {s.checkpointing}"
+    )
     ranks = f", {describe(s.shard, s.world_size, s.shard_group_size)}" if s.world_size > 1 else ""
     return f"{s.precision}{ckpt}{ranks}"
 
@@ -242,7 +245,7 @@ def dominates(a: Settings, b: Settings) -> bool:
     return (
         a.precision == b.precision
         and a.micro_batch_size >= b.micro_batch_size
-        and CHECKPOINTING.index(a.checkpointing) <= CHECKPOINTING.index(b.checkpointing)
+        and recomputes_no_more(a.checkpointing, b.checkpointing)
         and sharding_cost(a) <= sharding_cost(b)
         and a != b
     )

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 from memfit.memory.devices import Device
 from memfit.memory.gpus import GPU
-from memfit.run.settings import CHECKPOINTING, Settings
+from memfit.run.checkpointing import recompute_order
+from memfit.run.settings import Settings
 from memfit.run.strategy import describe
 from memfit.search.candidates import (
     Candidate,
@@ -101,9 +102,7 @@ def nothing_fits_message(request: PlanRequest, ordered: Sequence[Candidate], fai
             f"the least memory, micro-batch {least.settings.micro_batch_size} with "
             f"{describe_settings(least.settings)}, reserves {share:.1%} of it; lower the headroom or the target{failed}"
         )
-    smallest = min(
-        (c.settings for c in ordered), key=lambda s: (s.micro_batch_size, CHECKPOINTING.index(s.checkpointing))
-    )
+    smallest = min((c.settings for c in ordered), key=lambda s: (s.micro_batch_size, recompute_order(s.checkpointing)))
     return (
         f"no settings reach batch {target} on {gpu.describe()}: even micro-batch "
         f"{smallest.micro_batch_size} with {describe_settings(smallest)} runs out of memory{failed}"
