@@ -192,9 +192,17 @@ def a_run(tmp_path: Path) -> Path:
     ("option", "content", "message"),
     [
         ("--plan", {"max_batch_size": 4, "recommended_batch_size": 4, "trials": []}, "not a `memfit plan --json`"),
-        ("--probe", {"workload": "mlp", "candidates": []}, "not a `memfit probe --json` result (no 'max_batch_size')"),
+        (
+            "--probe",
+            {"workload": "mlp", "candidates": []},
+            "not a `memfit probe --json` result (max_batch_size is missing)",
+        ),
         ("--estimate", {"name": "something else"}, "not a `memfit estimate --json` result"),
-        ("--plan", {"workload": "mlp", "candidates": [{"peak_reserved": "big"}]}, "candidates[0]: 'peak_reserved'"),
+        (
+            "--plan",
+            {"workload": "mlp", "candidates": [{"peak_reserved": "big"}]},
+            "candidates[0].peak_reserved must be a whole number",
+        ),
         ("--probe", [1, 2, 3], "must be a JSON object"),
     ],
 )
@@ -295,3 +303,66 @@ def test_doctor_counts_an_allocator_setting_torch_refuses_as_an_error(run_cli, m
     assert status == 1
     assert [f["check"] for f in errors] == ["allocator"]
     assert errors[0]["fix"] == "replace expandable_segment with expandable_segments in PYTORCH_CUDA_ALLOC_CONF"
+
+
+# -- every field of environment.json, run files and results (issue 21) -----------------------
+
+FINGERPRINT = {"schema": "memfit.environment", "schema_version": 1, "python": "3.11.7", "os": "Linux"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (json.dumps({**FINGERPRINT, "python": None}), "python must be text"),
+        (json.dumps({**FINGERPRINT, "schema_version": True}), "schema_version must be a whole number"),
+        (json.dumps({**FINGERPRINT, "torch": 2.5}), "torch must be text"),
+        (json.dumps({**FINGERPRINT, "gpus": [{"name": "A100", "memory": -1, "capability": "8.0"}]}), "gpus[0].memory"),
+        (json.dumps({**FINGERPRINT, "gpus": [{"name": "A100", "memory": 1.5, "capability": "8.0"}]}), "gpus[0].memory"),
+        (json.dumps({**FINGERPRINT, "gpus": ["A100"]}), "gpus must be a list of objects"),
+        (json.dumps(FINGERPRINT)[:-1] + ', "driver": NaN}', "holds NaN"),
+        (json.dumps(FINGERPRINT)[:-1] + ', "gpus": [{"memory": 1e400}]}', "holds 1e400"),
+        (json.dumps(FINGERPRINT)[:-1] + ', "gpus": [{"memory": ' + "9" * 5000 + "}]}", "a number too long"),
+    ],
+)
+def test_env_check_refuses_every_damaged_field_in_one_line(run_cli, tmp_path, text, message):
+    path = tmp_path / "environment.json"
+    path.write_text(text)
+    for json_flag in ((), ("--json",)):
+        one_error_line(*run_cli("env", "check", str(path), *json_flag), str(path), message)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({**HEADER, "capacity": -1}, "capacity must be a whole number from 0"),
+        ({**HEADER, "capacity": True}, "capacity must be a whole number"),
+        ({**HEADER, "window": 2.5}, "window must be a whole number"),
+        ({**STEP, "allocated": -10}, "allocated must be a whole number from 0"),
+        ({**STEP, "reserved": 2**70}, "reserved must be a whole number"),
+        ({**STEP, "seconds": -1}, "seconds must be a number from 0"),
+        ({**STEP, "step": True}, "step must be a whole number"),
+    ],
+)
+def test_report_refuses_negative_or_impossible_figures(run_cli, tmp_path, line, message):
+    run = tmp_path / "run.jsonl"
+    lines = [line, STEP] if line.get("kind") == "header" else [HEADER, line, STEP]
+    run.write_text("".join(json.dumps(item) + "\n" for item in lines))
+    one_error_line(*run_cli("report", str(run)), f"{run}:", message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"workload": "mlp", "candidates": [{"peak_reserved": Infinity}]}', "holds Infinity"),
+        ('{"workload": "mlp", "candidates": [{"peak_reserved": -5}]}', "candidates[0].peak_reserved"),
+        ('{"workload": "mlp", "candidates": [], "capacity": -1}', "capacity must be a whole number from 0"),
+        ('{"workload": "mlp", "candidates": [{"samples_per_second": NaN}]}', "holds NaN"),
+        ('{"workload": ["mlp"], "candidates": []}', "workload must be text"),
+    ],
+)
+def test_report_refuses_a_damaged_plan_result(run_cli, tmp_path, text, message):
+    result = tmp_path / "result.json"
+    result.write_text(text)
+    one_error_line(*run_cli("report", str(a_run(tmp_path)), "--plan", str(result)), message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "run.jsonl"]
