@@ -191,9 +191,7 @@ def write_results_report(
     embeds it (:mod:`memfit.reporting.memory_viz`), and the pickle and the viewer's page go
     beside it (``report-snapshot.pickle``, ``report-memory-viz.html``).
     """
-    html_path = check_writable(output, "report")
-    for name in ("probe", "estimate", "plan"):
-        check_writable(html_path.with_name(f"{html_path.stem}-{name}.png"), "report figure")
+    html_path = check_report_outputs(output)
     figures: dict[str, bytes] = {}
     body = results_html(doctor=doctor, probe=probe, estimate=estimate, plan=plan, figures=figures)
     extra_files: dict[Path, bytes] = {}
@@ -216,6 +214,30 @@ def write_results_report(
     for path, data in extra_files.items():
         write_atomically(path, data)
     write_atomically(html_path, page.encode("utf-8"))
+    return html_path
+
+
+#: what a report writes beside its page, by suffix: ``report.html`` -> ``report-probe.png``, ...
+REPORT_FILES = (
+    "-probe.png",
+    "-estimate.png",
+    "-plan.png",
+    "-timeline.png",
+    "-snapshot.pickle",
+    "-memory-viz.html",
+)
+
+
+def check_report_outputs(output: str | os.PathLike[str]) -> Path:
+    """Refuse, in one line and before any work, a report page or any file beside it that
+    cannot be written (a folder where the snapshot goes, a pipe, a name too long); return the page's path.
+
+    Args:
+        output: the HTML page to write.
+    """
+    html_path = check_writable(output, "report")
+    for suffix in REPORT_FILES:
+        check_writable(html_path.with_name(f"{html_path.stem}{suffix}"), "report file")
     return html_path
 
 
@@ -399,8 +421,8 @@ def write_report(
         snapshot: an allocator snapshot (a dict, or a pickle file) to embed; by default
             the one the monitor wrote (``Monitor(snapshot=...)``), when it is there.
     """
-    html_path = check_writable(output, "report")
-    png_path = check_writable(timeline_path(html_path), "report figure")
+    html_path = check_report_outputs(output)
+    png_path = timeline_path(html_path)
     if isinstance(run, Monitor):
         recorded = run.recorded()
     elif isinstance(run, RecordedRun):
