@@ -8,6 +8,7 @@ traceback, after one line naming the workload function.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -192,9 +193,17 @@ def a_run(tmp_path: Path) -> Path:
     ("option", "content", "message"),
     [
         ("--plan", {"max_batch_size": 4, "recommended_batch_size": 4, "trials": []}, "not a `memfit plan --json`"),
-        ("--probe", {"workload": "mlp", "candidates": []}, "not a `memfit probe --json` result (no 'max_batch_size')"),
+        (
+            "--probe",
+            {"workload": "mlp", "candidates": []},
+            "not a `memfit probe --json` result (max_batch_size is missing)",
+        ),
         ("--estimate", {"name": "something else"}, "not a `memfit estimate --json` result"),
-        ("--plan", {"workload": "mlp", "candidates": [{"peak_reserved": "big"}]}, "candidates[0]: 'peak_reserved'"),
+        (
+            "--plan",
+            {"workload": "mlp", "candidates": [{"peak_reserved": "big"}]},
+            "candidates[0].peak_reserved must be a whole number",
+        ),
         ("--probe", [1, 2, 3], "must be a JSON object"),
     ],
 )
@@ -295,3 +304,177 @@ def test_doctor_counts_an_allocator_setting_torch_refuses_as_an_error(run_cli, m
     assert status == 1
     assert [f["check"] for f in errors] == ["allocator"]
     assert errors[0]["fix"] == "replace expandable_segment with expandable_segments in PYTORCH_CUDA_ALLOC_CONF"
+
+
+# -- every field of environment.json, run files and results (issue 21) -----------------------
+
+FINGERPRINT = {"schema": "memfit.environment", "schema_version": 1, "python": "3.11.7", "os": "Linux"}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (json.dumps({**FINGERPRINT, "python": None}), "python must be text"),
+        (json.dumps({**FINGERPRINT, "schema_version": True}), "schema_version must be a whole number"),
+        (json.dumps({**FINGERPRINT, "torch": 2.5}), "torch must be text"),
+        (json.dumps({**FINGERPRINT, "gpus": [{"name": "A100", "memory": -1, "capability": "8.0"}]}), "gpus[0].memory"),
+        (json.dumps({**FINGERPRINT, "gpus": [{"name": "A100", "memory": 1.5, "capability": "8.0"}]}), "gpus[0].memory"),
+        (json.dumps({**FINGERPRINT, "gpus": ["A100"]}), "gpus must be a list of objects"),
+        (json.dumps(FINGERPRINT)[:-1] + ', "driver": NaN}', "holds NaN"),
+        (json.dumps(FINGERPRINT)[:-1] + ', "gpus": [{"memory": 1e400}]}', "holds 1e400"),
+        (json.dumps(FINGERPRINT)[:-1] + ', "gpus": [{"memory": ' + "9" * 5000 + "}]}", "a number too long"),
+    ],
+)
+def test_env_check_refuses_every_damaged_field_in_one_line(run_cli, tmp_path, text, message):
+    path = tmp_path / "environment.json"
+    path.write_text(text)
+    for json_flag in ((), ("--json",)):
+        one_error_line(*run_cli("env", "check", str(path), *json_flag), str(path), message)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ({**HEADER, "capacity": -1}, "capacity must be a whole number from 0"),
+        ({**HEADER, "capacity": True}, "capacity must be a whole number"),
+        ({**HEADER, "window": 2.5}, "window must be a whole number"),
+        ({**STEP, "allocated": -10}, "allocated must be a whole number from 0"),
+        ({**STEP, "reserved": 2**70}, "reserved must be a whole number"),
+        ({**STEP, "seconds": -1}, "seconds must be a number from 0"),
+        ({**STEP, "step": True}, "step must be a whole number"),
+    ],
+)
+def test_report_refuses_negative_or_impossible_figures(run_cli, tmp_path, line, message):
+    run = tmp_path / "run.jsonl"
+    lines = [line, STEP] if line.get("kind") == "header" else [HEADER, line, STEP]
+    run.write_text("".join(json.dumps(item) + "\n" for item in lines))
+    one_error_line(*run_cli("report", str(run)), f"{run}:", message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"workload": "mlp", "candidates": [{"peak_reserved": Infinity}]}', "holds Infinity"),
+        ('{"workload": "mlp", "candidates": [{"peak_reserved": -5}]}', "candidates[0].peak_reserved"),
+        ('{"workload": "mlp", "candidates": [], "capacity": -1}', "capacity must be a whole number from 0"),
+        ('{"workload": "mlp", "candidates": [{"samples_per_second": NaN}]}', "holds NaN"),
+        ('{"workload": ["mlp"], "candidates": []}', "workload must be text"),
+    ],
+)
+def test_report_refuses_a_damaged_plan_result(run_cli, tmp_path, text, message):
+    result = tmp_path / "result.json"
+    result.write_text(text)
+    one_error_line(*run_cli("report", str(a_run(tmp_path)), "--plan", str(result)), message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "run.jsonl"]
+
+
+# -- user code that exits or changes the process (issue 21) -----------------------------------
+
+CHANGING = """
+import os, sys, torch, memfit
+
+def make(change):
+    def batch(n):
+        change()
+        return (torch.randn(n, 8), torch.randint(0, 2, (n,)))
+    return memfit.Workload(model=lambda: torch.nn.Linear(8, 2), make_batch=batch,
+        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0].to(m.weight.dtype)), b[1]))
+
+def chdir():
+    return make(lambda: os.chdir(os.path.join(os.path.dirname(__file__), "elsewhere")))
+
+def dtype():
+    return make(lambda: torch.set_default_dtype(torch.float64))
+
+def deterministic():
+    return make(lambda: torch.use_deterministic_algorithms(True))
+
+def exits():
+    return make(lambda: sys.exit(0))
+
+def raises_system_exit():
+    return make(lambda: (_ for _ in ()).throw(SystemExit("done")))
+"""
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        ("chdir", "changed the working directory from"),
+        ("dtype", "changed torch's default dtype from torch.float32 to torch.float64"),
+        ("deterministic", "changed torch's deterministic-algorithms flag"),
+        ("exits", "a lambda (changing.py, line 21) of the workload changing.py:exits called sys.exit(0)"),
+        ("raises_system_exit", "called sys.exit('done')"),
+    ],
+)
+def test_user_code_that_exits_or_changes_the_process_is_one_line_and_undone(
+    run_cli, tmp_path, monkeypatch, function, message
+):
+    import torch
+
+    (tmp_path / "changing.py").write_text(CHANGING)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli("probe", f"changing.py:{function}", "--device", "sim:64MiB", "--plot", "p.png")
+    one_error_line(status, out, err, message)
+    assert os.getcwd() == str(tmp_path)
+    assert torch.get_default_dtype() == torch.float32 and torch.is_grad_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["changing.py"]  # no plot, anywhere
+
+
+def test_an_output_path_is_where_the_command_started(run_cli, tmp_path, monkeypatch):
+    from memfit.cli.options import OutputPath
+
+    monkeypatch.chdir(tmp_path)
+    assert OutputPath(dir_okay=False).convert("memfit.lock", None, None) == str(tmp_path / "memfit.lock")
+
+
+# -- every output destination, before any work (issue 21) -------------------------------------
+
+
+def test_a_dangling_link_as_report_dir_is_refused_before_any_trial(run_cli, tmp_path):
+    (tmp_path / "report").symlink_to(tmp_path / "nowhere")
+    args = ["fit", TINY, "--device", "sim:64MiB", "--no-doctor", "--lock", str(tmp_path / "memfit.lock")]
+    one_error_line(*run_cli(*args, "--report-dir", str(tmp_path / "report")), "which does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+@pytest.mark.parametrize("name", ["report-snapshot.pickle", "report-memory-viz.html", "report-timeline.png"])
+def test_a_folder_where_a_report_file_goes_is_refused_before_any_trial(run_cli, tmp_path, name):
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / name).mkdir()
+    args = ["fit", TINY, "--device", "sim:64MiB", "--no-doctor", "--lock", str(tmp_path / "memfit.lock")]
+    one_error_line(*run_cli(*args, "--report-dir", str(tmp_path / "report")), name, "it is a folder")
+    assert not (tmp_path / "memfit.lock").exists()
+
+
+def test_report_o_refuses_before_writing_any_png(run_cli, tmp_path):
+    run = a_run(tmp_path)
+    (tmp_path / "page-memory-viz.html").mkdir()
+    one_error_line(*run_cli("report", str(run), "-o", str(tmp_path / "page.html")), "page-memory-viz.html")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page-memory-viz.html", "run.jsonl"]
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("x" * 300 + ".lock", "bytes a name may be"),
+        ("/".join(["d" * 200] * 25) + "/memfit.lock", "the path is longer than"),
+    ],
+)
+def test_an_output_path_longer_than_the_os_allows_is_one_line(run_cli, tmp_path, path, message):
+    args = ["fit", TINY, "--device", "sim:64MiB", "--no-doctor", "--report-dir", str(tmp_path / "r")]
+    one_error_line(*run_cli(*args, "--lock", str(tmp_path / path)), message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_251_byte_name_is_written_though_its_temp_name_would_pass_255(tmp_path):
+    from memfit._io import check_writable, write_atomically
+
+    target = tmp_path / ("l" * 246 + ".lock")
+    assert len(target.name.encode()) == 251
+    check_writable(target)
+    write_atomically(target, "x = 1\n")
+    assert [p.name for p in tmp_path.iterdir()] == [target.name] and target.read_text() == "x = 1\n"

@@ -351,7 +351,7 @@ def test_changed_torch_or_gpu_model_in_the_file_is_reported(tmp_path):
         ),
         (
             '{"schema": "memfit.environment", "schema_version": 1, "os": "Linux"}',
-            "is a damaged memfit fingerprint: bad or missing 'python'",
+            "is a damaged memfit fingerprint: python is missing",
         ),
     ],
 )

@@ -7,6 +7,7 @@ stdout ahead of the JSON and ``json.loads`` failed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +93,53 @@ def test_the_installed_command_keeps_stdout_for_the_json(printing, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["batch_size"] == 4
     assert "number of parameters: 0.00M" in done.stderr
+
+
+# -- strict JSON and any encoding (issue 21) --------------------------------------------------
+
+
+def test_json_output_is_strict_nan_and_infinity_become_null(capsys):
+    from memfit.cli.options import print_json
+
+    print_json({"seconds": float("nan"), "rows": [{"speed": float("inf")}, 1.5]})
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"bare {constant} in the JSON")
+
+    assert json.loads(capsys.readouterr().out, parse_constant=refuse) == {
+        "seconds": None,
+        "rows": [{"speed": None}, 1.5],
+    }
+
+
+def test_text_output_falls_back_to_ascii_where_the_stream_cannot_encode(monkeypatch):
+    import io
+
+    from memfit.cli import text_streams_that_always_encode
+
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", stream)
+    text_streams_that_always_encode()
+    print("memfit fit · 8 × 2 → done ✗ é")
+    stream.flush()
+    assert raw.getvalue() == b"memfit fit - 8 x 2 -> done x ?\n"
+
+
+def test_check_prints_a_non_ascii_difference_under_an_ascii_stdout(tmp_path):
+    from memfit.environment.envfile import Fingerprint, fingerprint
+    from memfit.run.settings import Settings
+    from memfit.search.lock import Lock, write_lock
+
+    here = fingerprint()
+    other = Fingerprint(python=here.python, os=here.os, torch="2.0·local×build", gpus=here.gpus)
+    lock = write_lock(
+        Lock(workload="mlp", settings=Settings(micro_batch_size=2), target_batch_size=2, environment=other),
+        tmp_path / "memfit.lock",
+    )
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run(
+        [sys.executable, "-m", "memfit", "check", str(lock)], capture_output=True, env=env, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    assert b"Traceback" not in done.stderr and b"2.0-localxbuild" in done.stdout.replace(b"\n", b"")

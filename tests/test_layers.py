@@ -2,7 +2,7 @@
 
 The layers, lowest first (docs/design.md draws them):
 
-0. ``errors``, ``units``, ``_version``, ``_io``, ``_read``, ``_html``, ``_plot``, ``distributed``,
+0. ``errors``, ``units``, ``_version``, ``_io``, ``_read``, ``_schema``, ``_html``, ``_plot``, ``distributed``,
    ``batch_search``: plain helpers, torch.distributed agreement, the pure search policy;
 1. ``environment``: machine facts, version tables, doctor, environment files;
 2. ``cuda``: what CUDA would hold;
@@ -37,7 +37,7 @@ import memfit
 PACKAGE = Path(memfit.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "units", "_version", "_io", "_read", "_html", "_plot", "distributed", "batch_search"),
+    ("errors", "units", "_version", "_io", "_read", "_schema", "_html", "_plot", "distributed", "batch_search"),
     ("environment",),
     ("cuda",),
     ("memory",),

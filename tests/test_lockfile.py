@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ BAD_LOCKS = {
     "bad settings": (
         'schema = "memfit.lock"\nschema_version = 1\n[workload]\nref = "mlp"\n[settings]\nprecision = "fp8"\nmicro_batch_size = 2\n'
         '[target]\nbatch_size = 2\n[environment]\nschema = "memfit.environment"\nschema_version = 1\npython = "3.11"\nos = "Linux"\n',
-        "unknown precision 'fp8'",
+        "settings.precision must be one of fp32, bf16, fp16, not 'fp8'",
     ),
     "binary": (b"\xff\xfe\x00garbage", "not a valid memfit.lock"),
 }
@@ -177,7 +178,7 @@ def test_a_lock_with_neither_reference_nor_name_is_damaged(tmp_path):
         .replace('ref = "mlp:layers=4,width=64,features=32"\n', "")
         .replace('name = "mlp:layers=4,width=64,features=32"\n', "")
     )
-    with pytest.raises(MemfitError, match=r"damaged memfit\.lock: bad or missing 'workload\.ref'"):
+    with pytest.raises(MemfitError, match=r"damaged memfit\.lock: workload\.ref is missing"):
         load_lock(path)
 
 
@@ -195,3 +196,101 @@ def test_check_reads_the_lock_and_this_machine_without_importing_torch(tmp_path)
     completed = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert completed.stdout.splitlines()[-1] == "0 False"
     assert "no difference" in completed.stdout
+
+
+# -- every field checked: a lock memfit could not have written is never a match (issue 21) --
+
+BASE_FIELDS = {
+    "schema": '"memfit.lock"',
+    "schema_version": "1",
+    "workload": '{ ref = "mlp" }',
+    "settings": "{ micro_batch_size = 8 }",
+    "target": "{ batch_size = 8 }",
+    "environment": '{ schema = "memfit.environment", schema_version = 1, python = "3.11.7", os = "Linux" }',
+}
+ENV = 'schema = "memfit.environment", schema_version = 1, os = "Linux"'
+DAMAGED_FIELDS = [
+    ({"settings": "{ micro_batch_size = 8.5 }"}, "settings.micro_batch_size must be a whole number"),
+    (
+        {"settings": "{ micro_batch_size = true }"},
+        "settings.micro_batch_size must be a whole number from 1 to 16777216, not true",
+    ),
+    ({"settings": "{ micro_batch_size = inf }"}, "settings.micro_batch_size must be a whole number"),
+    ({"settings": "{ micro_batch_size = nan }"}, "settings.micro_batch_size must be a whole number"),
+    ({"settings": "{ micro_batch_size = 0 }"}, "settings.micro_batch_size must be a whole number from 1"),
+    ({"settings": "{ micro_batch_size = 8, accumulation_steps = 1e308 }"}, "settings.accumulation_steps"),
+    (
+        {"settings": "{ micro_batch_size = 8, accumulation_steps = 99999999999999999999 }"},
+        "settings.accumulation_steps",
+    ),
+    ({"settings": "{ micro_batch_size = 8, world_size = 0 }"}, "settings.world_size"),
+    ({"settings": '{ micro_batch_size = 8, shard = "all" }'}, "settings.shard must be one of"),
+    ({"settings": "{ micro_batch_size = 8, micro = 2 }"}, "settings.micro is not a field memfit writes"),
+    ({"target": "{ batch_size = -5 }"}, "target.batch_size must be a whole number from 1"),
+    ({"target": "{ batch_size = 0 }"}, "target.batch_size must be a whole number from 1"),
+    ({"target": "{ batch_size = 8, world_size = 0 }"}, "target.world_size"),
+    ({"target": "{ batch_size = 16 }"}, "target.batch_size 16 is not micro_batch_size x accumulation_steps"),
+    ({"target": "{ batch_size = 8, world_size = 2 }"}, "settings.world_size 1 is not target.world_size 2"),
+    ({"measured": '{ capacity = "huge" }'}, "measured.capacity must be a whole number"),
+    ({"measured": "{ capacity = -1 }"}, "measured.capacity must be a whole number from 0"),
+    ({"measured": "{ peak_reserved = inf }"}, "measured.peak_reserved"),
+    ({"measured": "{ samples_per_second = nan }"}, "measured.samples_per_second must be a number"),
+    ({"measured": "{ headroom = 1.5 }"}, "measured.headroom"),
+    ({"schema_version": "true"}, "schema_version must be a whole number from 1 to 1, not true"),
+    ({"schema_version": "1.0"}, "schema_version must be a whole number"),
+    ({"workload": '[ "mlp" ]'}, "workload must be an object, not a list"),
+    ({"workload": "{ ref = 3 }"}, "workload.ref must be text"),
+    ({"workload": '{ ref = "" }'}, "workload.ref must be text"),
+    ({"created": "1979-05-27T07:32:00Z"}, "created must be text of at most 200 characters, not a datetime"),
+    ({"memfit_version": "1979-05-27"}, "memfit_version must be text"),
+    ({"environment": f"{{ {ENV} }}"}, "environment.python is missing"),
+    ({"environment": f"{{ {ENV}, python = 3.11 }}"}, "environment.python must be text"),
+    ({"environment": f'{{ {ENV}, python = "{"3" * 5000}" }}'}, "environment.python must be text of at most 200"),
+    ({"environment": f'{{ {ENV}, python = "3", torch = 1979-05-27 }}'}, "environment.torch must be text"),
+    (
+        {"environment": f'{{ {ENV}, python = "3", gpus = [{{ name = "A100", memory = inf, capability = "8.0" }}] }}'},
+        "environment.gpus[0].memory must be a whole number",
+    ),
+    (
+        {"environment": f'{{ {ENV}, python = "3", gpus = [{{ name = "A100", memory = true, capability = "8.0" }}] }}'},
+        "environment.gpus[0].memory must be a whole number",
+    ),
+    ({"extra": "1"}, "extra is not a field memfit writes"),
+]
+
+
+def lock_text(**changes: str) -> str:
+    return "".join(f"{key} = {value}\n" for key, value in {**BASE_FIELDS, **changes}.items())
+
+
+@pytest.mark.parametrize(("changes", "message"), DAMAGED_FIELDS, ids=[m for _, m in DAMAGED_FIELDS])
+def test_a_damaged_field_is_refused_in_one_line_naming_it_and_the_file(tmp_path, run_cli, changes, message):
+    path = tmp_path / "memfit.lock"
+    path.write_text(lock_text(**changes))
+    with pytest.raises(MemfitError, match=re.escape(message)):
+        load_lock(path)
+    for json_flag in ((), ("--json",)):
+        status, out, err = run_cli("check", str(path), *json_flag)
+        assert (status, out) == (2, "")
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"memfit: error: {path} is a damaged memfit.lock: "), err
+        assert message in lines[0]
+
+
+def test_the_base_of_the_damaged_cases_is_a_lock_memfit_reads(tmp_path):
+    path = tmp_path / "memfit.lock"
+    path.write_text(lock_text())
+    assert load_lock(path).settings.micro_batch_size == 8
+
+
+def test_a_5000_digit_number_is_one_line(tmp_path, run_cli):
+    path = tmp_path / "memfit.lock"
+    path.write_text(lock_text(target="{ batch_size = " + "9" * 5000 + " }"))
+    status, out, err = run_cli("check", str(path))
+    assert (status, out) == (2, "") and "a number too long" in err and len(err.splitlines()) == 1
+
+
+def test_the_locks_largest_target_is_the_plans():
+    from memfit.search import candidates, lock
+
+    assert lock.MAX_TARGET_BATCH == candidates.MAX_TARGET_BATCH

@@ -537,11 +537,13 @@ def test_write_report_takes_result_objects(tmp_path, leaking_run):
 def test_a_foreign_result_is_refused_before_anything_is_written(tmp_path, leaking_run):
     """A measurement handed over as a plan (issue 14, item 13) is not a plan: refused, nothing written."""
     measurement = Measurement(batch_size=8, fits=True, peak_allocated=MiB, peak_reserved=2 * MiB, seconds_per_step=0.1)
-    with pytest.raises(MemfitError, match=r"the plan result is not a `memfit plan --json` result \(no 'workload'\)"):
+    with pytest.raises(
+        MemfitError, match=r"the plan result is not a `memfit plan --json` result \(workload is missing\)"
+    ):
         write_report(leaking_run, tmp_path / "r.html", plan=measurement)
     probe_file = tmp_path / "probe.json"
     probe_file.write_text(json.dumps(PLAN))  # a plan given as --probe
-    with pytest.raises(MemfitError, match=r"not a `memfit probe --json` result \(no 'max_batch_size'\)"):
+    with pytest.raises(MemfitError, match=r"not a `memfit probe --json` result \(max_batch_size is missing\)"):
         write_report(leaking_run, tmp_path / "r.html", probe=probe_file)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["probe.json"]
 

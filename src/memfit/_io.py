@@ -27,14 +27,42 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from memfit.errors import MemfitError
 
-__all__ = ["write_atomically", "new_file_mode", "signals_held", "check_writable", "check_writable_folder"]
+__all__ = [
+    "write_atomically",
+    "new_file_mode",
+    "signals_held",
+    "check_writable",
+    "check_writable_folder",
+    "write_guards",
+]
+
+#: checks every write runs first (a command's: the process state its workload must keep)
+_WRITE_GUARDS: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def write_guards(check: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, :func:`write_atomically` calls ``check()`` before each write.
+
+    Why: a command refused once the user's code broke its conditions must write nothing,
+    and every file memfit writes passes here. ``check`` raises to refuse.
+
+    Args:
+        check: raises (a MemfitError) when the file must not be written.
+    """
+    _WRITE_GUARDS.append(check)
+    try:
+        yield
+    finally:
+        _WRITE_GUARDS.remove(check)
+
 
 #: the signals that end a program politely; both must not cut a write in half
 _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -120,6 +148,8 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, encodin
         data: the whole content; text is encoded with ``encoding``.
         encoding: the encoding of text data.
     """
+    for check in list(_WRITE_GUARDS):
+        check()
     target = Path(path)
     payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
     try:
@@ -127,6 +157,18 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, encodin
     except OSError as error:  # a full disk, a read-only folder: the user's to fix, in one line
         raise MemfitError(f"cannot write {target}: {error.strerror or error}") from None
     return target
+
+
+#: the most bytes of a file name kept in its temp file's name (mkstemp adds 8, memfit 6 more)
+_TEMP_NAME_KEPT = 200
+
+
+def _temp_prefix(name: str) -> str:
+    """The temp file's prefix: ``.NAME.`` while that is short, else ``.memfit-``.
+
+    Why: a legal 251-byte name gave a 265-byte temp name, which no file system takes.
+    """
+    return f".{name}." if len(os.fsencode(name)) <= _TEMP_NAME_KEPT else ".memfit-"
 
 
 def _write(target: Path, payload: bytes) -> None:
@@ -137,7 +179,7 @@ def _write(target: Path, payload: bytes) -> None:
     except FileNotFoundError:
         mode = new_file_mode()
     with signals_held():
-        fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        fd, temp = tempfile.mkstemp(dir=target.parent, prefix=_temp_prefix(target.name), suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(payload)
@@ -155,9 +197,40 @@ def _write(target: Path, payload: bytes) -> None:
 def _nearest_existing(path: Path) -> Path:
     """``path`` itself when it exists, else its closest existing ancestor."""
     for candidate in (path, *path.parents):
-        if candidate.exists():
+        if os.path.exists(candidate):  # False, not an error, for a name too long
             return candidate
     return Path(".")
+
+
+def _limit(folder: Path, name: str, default: int) -> int:
+    try:
+        return os.pathconf(folder, name)
+    except (OSError, ValueError):
+        return default
+
+
+def _check_names(path: Path, shown: str, what: str) -> None:
+    """Refuse a path the OS would refuse (a name or the whole path too long), or a dangling link.
+
+    Why before the work: open() fails with ENAMETOOLONG only when the file is written,
+    after the whole search; a link to nowhere fails at mkdir or is silently replaced.
+    """
+    absolute = Path(os.path.abspath(path))
+    existing = _nearest_existing(absolute)
+    most_name = _limit(existing, "PC_NAME_MAX", 255)
+    for part in absolute.parts[1:]:
+        if len(os.fsencode(part)) > most_name:
+            raise MemfitError(
+                f"{what} {shown}: the name {part[:40]}... is longer than the {most_name} bytes a name may be"
+            )
+    most_path = _limit(existing, "PC_PATH_MAX", 4096)
+    if len(os.fsencode(str(absolute))) >= most_path:
+        raise MemfitError(f"{what} {shown}: the path is longer than the {most_path} bytes this system allows")
+    for candidate in (absolute, *absolute.parents):
+        if os.path.islink(candidate) and not os.path.exists(candidate):
+            raise MemfitError(
+                f"{what} {shown}: {candidate} is a link to {os.readlink(candidate)}, which does not exist"
+            )
 
 
 def _check_folder_writable(folder: Path, shown: str, what: str) -> None:
@@ -198,6 +271,7 @@ def check_writable(path: str | os.PathLike[str], what: str = "output file") -> P
     """
     target = Path(path)
     shown = str(target)
+    _check_names(target, shown, what)
     if target.is_dir():
         raise MemfitError(f"{what} {shown}: it is a folder, not a file")
     if target.exists() and not target.is_file():
@@ -215,6 +289,7 @@ def check_writable_folder(path: str | os.PathLike[str], what: str = "output fold
         what: how the message names it (such as ``"--report-dir"``).
     """
     folder = Path(path)
+    _check_names(folder, str(folder), what)
     if folder.exists() and not folder.is_dir():
         raise MemfitError(f"{what} {folder}: it is a file, not a folder")
     _check_folder_writable(folder, str(folder), what)

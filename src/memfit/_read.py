@@ -7,7 +7,11 @@ instead of a traceback:
 - not a regular file (a folder, ``/dev/zero``, a pipe that would block forever);
 - larger than the caller allows (a JSON result is kilobytes, not gigabytes);
 - not UTF-8 text (a binary file given by mistake);
-- JSON nested so deeply that the parser would exhaust Python's stack.
+- JSON nested so deeply that the parser would exhaust Python's stack;
+- numbers no memfit file holds: ``NaN``, ``Infinity``, ``1e400`` (infinite once read) and
+  integers too long for Python to convert (5000 digits).
+
+What each field must hold is checked after parsing, by the file's schema (:mod:`memfit._schema`).
 
 >>> import tempfile, pathlib
 >>> path = pathlib.Path(tempfile.mkdtemp()) / "deep.json"
@@ -20,6 +24,7 @@ memfit.errors.MemfitError: ...deep.json is nested too deeply to be a memfit file
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -27,7 +32,16 @@ from typing import Any
 
 from memfit.errors import MemfitError
 
-__all__ = ["read_text", "parse_json", "load_json", "nesting_depth", "MAX_RESULT_BYTES", "MAX_DEPTH"]
+__all__ = [
+    "read_text",
+    "parse_json",
+    "strict_loads",
+    "NotFiniteError",
+    "load_json",
+    "nesting_depth",
+    "MAX_RESULT_BYTES",
+    "MAX_DEPTH",
+]
 
 #: the deepest nesting of lists and objects accepted: a memfit file nests four levels or
 #: so; a few hundred would already exhaust the stack of the code that renders it
@@ -89,6 +103,31 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
+class NotFiniteError(ValueError):
+    """A JSON number that is not finite (its text is the message)."""
+
+
+def _no_constant(text: str) -> float:
+    raise NotFiniteError(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotFiniteError(text if len(text) <= 20 else "a number too large")
+    return value
+
+
+def strict_loads(text: str) -> Any:
+    """``json.loads`` refusing what no memfit file holds: NaN, Infinity, numbers that overflow.
+
+    Raises ``json.JSONDecodeError`` for text that is not JSON, :class:`NotFiniteError` for a
+    number that is not finite, ``ValueError`` for an integer too long to convert and
+    ``RecursionError`` for nesting too deep.
+    """
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def parse_json(text: str, where: str, hint: str = "", max_depth: int = MAX_DEPTH) -> Any:
     """Parse JSON text; a one-line MemfitError names ``where`` (a file, or ``file:line``).
 
@@ -101,9 +140,13 @@ def parse_json(text: str, where: str, hint: str = "", max_depth: int = MAX_DEPTH
     ending = f"; {hint}" if hint else ""
     too_deep = MemfitError(f"{where} is nested too deeply to be a memfit file{ending}")
     try:
-        data = json.loads(text)
+        data = strict_loads(text)
     except json.JSONDecodeError as error:
         raise MemfitError(f"{where} is not valid JSON (line {error.lineno}, column {error.colno}){ending}") from None
+    except NotFiniteError as error:
+        raise MemfitError(f"{where} holds {error}, which no memfit file holds{ending}") from None
+    except ValueError:  # int(): more digits than Python converts (sys.get_int_max_str_digits)
+        raise MemfitError(f"{where} holds a number too long to be a memfit file's{ending}") from None
     except RecursionError:
         raise too_deep from None
     if nesting_depth(data) > max_depth:

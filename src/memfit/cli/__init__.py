@@ -18,6 +18,7 @@ prints goes to stderr). Exit status:
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import importlib
 import os
@@ -35,7 +36,17 @@ import click
 from memfit._version import __version__
 from memfit.errors import MemfitError, workload_code_of
 
-__all__ = ["main", "cli", "COMMANDS", "entry_point", "exit_with", "Terminated", "EXIT_SIGINT", "EXIT_SIGTERM"]
+__all__ = [
+    "main",
+    "cli",
+    "COMMANDS",
+    "entry_point",
+    "exit_with",
+    "user_error",
+    "Terminated",
+    "EXIT_SIGINT",
+    "EXIT_SIGTERM",
+]
 
 #: exit statuses after an interrupt: 128 + the signal's number, as a shell reports it
 EXIT_SIGINT = 128 + signal.SIGINT
@@ -139,6 +150,43 @@ def interrupts_not_lost() -> Iterator[None]:
         sys.unraisablehook = previous
 
 
+#: what memfit's own text holds beyond ASCII, and what it reads as on a terminal that cannot show it
+_ASCII = {"·": "-", "×": "x", "→": "->", "←": "<-", "≥": ">=", "≤": "<=", "…": "...", "—": "-", "–": "-", "≈": "~"}
+_ASCII.update({"µ": "u", "✓": "ok", "✗": "x", "±": "+-", "‘": "'", "’": "'", "“": '"', "”": '"'})
+_ASCII.update({"━": "-", "─": "-", "│": "|", "┃": "|", "█": "#", "▏": "|", "•": "*"})
+
+
+def _ascii_fallback(error: UnicodeError) -> tuple[str, int]:
+    """The codec error handler of memfit's streams: ``×`` becomes ``x``, anything else ``?``."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    text = error.object[error.start : error.end]
+    return "".join(_ASCII.get(char, "?") for char in text), error.end
+
+
+codecs.register_error("memfit-ascii", _ascii_fallback)
+
+
+def text_streams_that_always_encode() -> None:
+    """Make stdout and stderr write what their encoding cannot hold in ASCII, not raise.
+
+    Why: under ``PYTHONIOENCODING=ascii`` or ``LANG=C`` a "·" in a title raised
+    UnicodeEncodeError, after the lock was written, ending the command in a traceback.
+    A stream already able to write every character (UTF-8) is left as it is.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        encoding = getattr(stream, "encoding", None) or "ascii"
+        try:
+            "".join(_ASCII).encode(encoding)
+            continue
+        except (UnicodeError, LookupError):
+            pass
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors="memfit-ascii")
+
+
 def main(argv: list[str] | None = None, within: Callable[[], AbstractContextManager[object]] | None = None) -> int:
     """Run the command line; return the exit status instead of raising SystemExit.
 
@@ -147,14 +195,25 @@ def main(argv: list[str] | None = None, within: Callable[[], AbstractContextMana
         within: a context the command runs inside (torchrun's process group), so that
             its errors and interrupts end the same way as the command's.
     """
+    from memfit.cli.process_state import state_kept
+
+    text_streams_that_always_encode()
     try:
         around = within() if within is not None else contextlib.nullcontext()
-        with sigterm_ends_like_sigint(), interrupts_not_lost(), around:
+        with sigterm_ends_like_sigint(), interrupts_not_lost(), around, state_kept():
             result = cli.main(args=argv, prog_name="memfit", standalone_mode=False)
+    except SystemExit as error:
+        where = workload_code_of(error)
+        if where is None:
+            raise
+        return user_error(
+            f"{where} called sys.exit({error.code!r}) while memfit ran it: memfit's work did not finish, "
+            "nothing was written; a workload must return, not exit"
+        )
     except MemfitError as error:
-        return _user_error(str(error))
+        return user_error(str(error))
     except click.ClickException as error:
-        return _user_error(error.format_message())
+        return user_error(error.format_message())
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("memfit: aborted", err=True)
         return EXIT_SIGINT
@@ -169,7 +228,8 @@ def main(argv: list[str] | None = None, within: Callable[[], AbstractContextMana
     return result if isinstance(result, int) else 0
 
 
-def _user_error(message: str) -> int:
+def user_error(message: str) -> int:
+    """Print ``memfit: error: MESSAGE`` on one line; return the exit status of a user error (2)."""
     first_line = " ".join(message.split())
     click.echo(f"memfit: error: {first_line}", err=True)
     return 2

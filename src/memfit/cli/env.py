@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.text import Text
 
-from memfit.cli.options import console, json_option, print_environment_check, print_json
+from memfit.cli.options import OutputPath, console, json_option, print_environment_check, print_json
 from memfit.environment import system
 from memfit.environment.envfile import check_environment, export_environment
 
@@ -22,6 +22,7 @@ def command() -> None:
     "directory",
     default=".",
     show_default=True,
+    type=OutputPath(),
     metavar="DIR",
     help="Directory to write the three files into.",
 )

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from memfit._io import check_writable
 from memfit.cli.options import (
+    OutputPath,
     console,
     json_option,
     make_settings,
@@ -72,7 +73,7 @@ from memfit.units import format_size
 @click.option(
     "--snapshot",
     "snapshot_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(dir_okay=False, path_type=Path),
     default=None,
     metavar="FILE.pickle",
     help="Also write the step's allocator history for PyTorch's memory viewer (pytorch.org/memory_viz).",

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, cast
 import click
 
 from memfit.cli.options import (
+    OutputPath,
     console,
     device_options,
     err_console,
@@ -51,14 +52,14 @@ if TYPE_CHECKING:
     "lock_path",
     default="memfit.lock",
     show_default=True,
-    type=click.Path(dir_okay=False),
+    type=OutputPath(dir_okay=False),
     help="Where to write the lock.",
 )
 @click.option(
     "--report-dir",
     default="memfit-report",
     show_default=True,
-    type=click.Path(file_okay=False),
+    type=OutputPath(file_okay=False),
     help="Where to write report.html and its figures.",
 )
 @click.option("--no-doctor", is_flag=True, help="Skip the environment checks.")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 import click
@@ -14,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memfit._schema import finite_or_none
 from memfit.errors import MemfitError
 from memfit.run.strategy import SHARDS, check_strategy
 from memfit.search.headroom import DEFAULT_HEADROOM
@@ -79,6 +82,22 @@ def route_output(command: click.Command) -> click.Command:
     routed.__memfit_routed__ = True  # type: ignore[attr-defined]
     command.callback = routed
     return command
+
+
+class OutputPath(click.Path):
+    """A path memfit writes, made absolute when the command line is read.
+
+    Why: the user's code runs inside the command (a workload may ``os.chdir``); a relative
+    ``memfit.lock`` resolved after that would land in another folder while memfit says it
+    wrote ``memfit.lock``. Links are kept (not resolved): the write goes where they point.
+    """
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        converted = super().convert(value, param, ctx)
+        if converted is None:
+            return None
+        absolute = os.path.abspath(os.fsdecode(converted))
+        return Path(absolute) if isinstance(converted, Path) else absolute
 
 
 def workload_argument(function: F) -> F:
@@ -236,8 +255,13 @@ def print_environment_check(result: EnvironmentCheck, as_json: bool) -> int:
 
 
 def print_json(data: Any) -> None:
-    """The result as JSON, alone on the command's stdout."""
-    click.echo(json.dumps(data, indent=2, sort_keys=False), file=results_stream())
+    """The result as strict JSON, alone on the command's stdout.
+
+    Why ``finite_or_none``: Python writes NaN and infinity as bare ``NaN`` / ``Infinity``,
+    which no strict parser (``jq``, JavaScript's, Go's) reads; JSON's own word for a figure
+    that is not there is ``null``.
+    """
+    click.echo(json.dumps(finite_or_none(data), indent=2, sort_keys=False, allow_nan=False), file=results_stream())
 
 
 def choice_list(

@@ -8,6 +8,7 @@ import click
 
 from memfit._io import check_writable
 from memfit.cli.options import (
+    OutputPath,
     console,
     device_options,
     err_console,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     default=None,
     help="The batch your learning rate was tuned for (for scaling advice).",
 )
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of memory against speed.")
+@click.option("--plot", type=OutputPath(dir_okay=False), default=None, help="Write a PNG of memory against speed.")
 @click.option(
     "--gpu",
     "speed_gpu",

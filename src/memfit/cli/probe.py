@@ -20,6 +20,7 @@ from rich.table import Table
 from memfit import distributed
 from memfit._io import check_writable
 from memfit.cli.options import (
+    OutputPath,
     console,
     device_options,
     err_console,
@@ -75,7 +76,7 @@ EXPECTED_TRIALS = 10
 @click.option(
     "--plot",
     "plot_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(dir_okay=False, path_type=Path),
     default=None,
     metavar="FILE.png",
     help="Draw memory and samples/s against batch size.",

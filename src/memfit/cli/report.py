@@ -6,10 +6,9 @@ from pathlib import Path
 
 import click
 
-from memfit._io import check_writable
-from memfit.cli.options import console, json_option, print_json
+from memfit.cli.options import OutputPath, console, json_option, print_json
 from memfit.monitor.runfile import read_run
-from memfit.reporting.pages import write_report, written_snapshot
+from memfit.reporting.pages import check_report_outputs, write_report, written_snapshot
 
 _RESULT = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -19,7 +18,7 @@ _RESULT = click.Path(exists=True, dir_okay=False, path_type=Path)
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutputPath(dir_okay=False, path_type=Path),
     default=None,
     help="The HTML file to write (default: RUN with .html); the PNG goes beside it.",
 )
@@ -45,8 +44,8 @@ def command(
     """Render RUN.jsonl (written by memfit.Monitor(path=...)) as a report: the findings
     (leak, fragmentation, new-shape peak), a memory timeline PNG, and the probe, estimate
     and plan results when given. No network, no CDN: the images are embedded."""
-    target = output if output is not None else run.with_suffix(".html")
-    check_writable(target, "report")  # before reading and drawing
+    target = output if output is not None else run.absolute().with_suffix(".html")
+    check_report_outputs(target)  # every file it writes, before reading and drawing
     recorded = read_run(run)
     if snapshot is None:
         snapshot = written_snapshot(run, recorded)

@@ -30,6 +30,7 @@ from typing import Any
 from memfit._html import HtmlRepr
 from memfit._io import check_writable, check_writable_folder, write_atomically
 from memfit._read import load_json
+from memfit._schema import MAX_BYTES, Field, Rows, Table, shown
 from memfit.environment import system
 from memfit.environment.system import SystemProbe
 from memfit.environment.versions import format_cudnn_version, version_tuple
@@ -103,32 +104,64 @@ class Fingerprint:
         return {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **body}
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "fingerprint") -> Fingerprint:
-        """Read a fingerprint written by :meth:`to_dict`; anything else is a one-line MemfitError."""
+    def from_dict(cls, data: Any, source: str = "fingerprint", prefix: str = "", damaged: str = "") -> Fingerprint:
+        """Read a fingerprint written by :meth:`to_dict`; anything else is a one-line MemfitError.
+
+        Args:
+            data: the parsed JSON (or a lock's TOML table).
+            source: how a message names where it came from.
+            prefix: the fields' path inside a larger file (a lock's ``environment.``).
+            damaged: how a message about a bad field starts (default: the source is damaged).
+
+        Every field is checked (:data:`FINGERPRINT_SCHEMA`): ``python: null``, a number
+        where a version goes, a GPU of ``true`` bytes are refused, naming the field.
+        """
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise MemfitError(f'{source} is not a memfit environment fingerprint (no "schema": "{SCHEMA}")')
-        if not isinstance(data.get("schema_version"), int) or data["schema_version"] > SCHEMA_VERSION:
+        version = data.get("schema_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
             raise MemfitError(
-                f"{source} has schema_version {data.get('schema_version')!r}; "
-                f"this memfit reads up to {SCHEMA_VERSION}: upgrade memfit"
+                f"{source} has schema_version {shown(version)}; this memfit reads up to {SCHEMA_VERSION}: upgrade memfit"
             )
-        try:
-            gpus = tuple(
-                GpuFingerprint(str(g["name"]), int(g["memory"]), str(g["capability"])) for g in data.get("gpus", [])
-            )
-            return cls(
-                python=str(data["python"]),
-                os=str(data["os"]),
-                os_release=data.get("os_release"),
-                torch=data.get("torch"),
-                torch_cuda=data.get("torch_cuda"),
-                cudnn=data.get("cudnn"),
-                driver=data.get("driver"),
-                cuda_driver=data.get("cuda_driver"),
-                gpus=gpus,
-            )
-        except (KeyError, TypeError, ValueError) as error:
-            raise MemfitError(f"{source} is a damaged memfit fingerprint: bad or missing {error}") from None
+        FINGERPRINT_SCHEMA.check(data, damaged or f"{source} is a damaged memfit fingerprint", prefix)
+        return cls(
+            python=data["python"],
+            os=data["os"],
+            os_release=data.get("os_release"),
+            torch=data.get("torch"),
+            torch_cuda=data.get("torch_cuda"),
+            cudnn=data.get("cudnn"),
+            driver=data.get("driver"),
+            cuda_driver=data.get("cuda_driver"),
+            gpus=tuple(GpuFingerprint(g["name"], g["memory"], g["capability"]) for g in data.get("gpus", [])),
+        )
+
+
+def _version_field(required: bool = False) -> Field:
+    return Field("str", required=required, nullable=not required, low=1 if required else None, high=200)
+
+
+#: what environment.json (and a lock's [environment] table) holds, field by field; keys a
+#: newer memfit of the same schema version may add are left alone
+FINGERPRINT_SCHEMA = Table(
+    {
+        "schema": Field("str"),
+        "schema_version": Field("int", low=1, high=SCHEMA_VERSION),
+        "python": _version_field(required=True),
+        "os": _version_field(required=True),
+        **{name: _version_field() for name in ("os_release", "torch", "torch_cuda", "cudnn", "driver", "cuda_driver")},
+        "gpus": Rows(
+            Table(
+                {
+                    "name": Field("str", low=1, high=200),
+                    "memory": Field("int", low=0, high=MAX_BYTES),
+                    "capability": Field("str", low=1, high=20),
+                }
+            ),
+            required=False,
+        ),
+    }
+)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memfit._read import MAX_DEPTH, nesting_depth, read_text
+from memfit._read import MAX_DEPTH, NotFiniteError, nesting_depth, read_text, strict_loads
+from memfit._schema import MAX_BYTES, MAX_COUNT, MAX_TEXT, Field, Table
 from memfit.errors import MemfitError
 from memfit.monitor.findings import DEFAULT_WINDOW, MemoryFinding, analyze_steps
 
@@ -110,39 +111,47 @@ class RecordedRun:
         return summarize(self.header, self.records)
 
 
-#: fields of a step record that hold whole numbers (bytes or counts), when present
-_INT_FIELDS = ("peak_allocated", "reserved", "peak_reserved", "unallocated", "num_alloc_retries", "num_ooms")
+def _bytes(required: bool = False) -> Field:
+    return Field("int", required=required, low=0, high=MAX_BYTES)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _text() -> Field:
+    return Field("str", required=False, nullable=True, high=MAX_TEXT)
 
 
-def _record_problem(item: Mapping[str, Any]) -> str | None:
-    """Why a JSON object is not a step record the findings and the timeline can read (None: it is)."""
-    if item.get("kind") != "step":
-        return f"kind {item.get('kind')!r}"
-    for name in ("step", "allocated"):
-        if not _is_int(item.get(name)):
-            return f"{name} must be a whole number"
-    for name in _INT_FIELDS:
-        if name in item and not _is_int(item[name]):
-            return f"{name} must be a whole number"
-    if "seconds" in item and (isinstance(item["seconds"], bool) or not isinstance(item["seconds"], (int, float))):
-        return "seconds must be a number"
-    if "labels" in item and not isinstance(item["labels"], Mapping):
-        return "labels must be an object"
-    return None
+#: a monitor's header, as :class:`~memfit.monitor.monitor.Monitor` writes it (other keys left alone)
+HEADER_SCHEMA = Table(
+    {
+        "kind": Field("str", choices=("header",)),
+        "format": Field("int", required=False, low=1, high=FORMAT_VERSION),
+        "capacity": Field("int", required=False, nullable=True, low=0, high=MAX_BYTES),
+        "window": Field("int", required=False, nullable=True, low=3, high=MAX_COUNT),
+        "every": Field("int", required=False, nullable=True, low=1, high=MAX_COUNT),
+        "simulated": Field("bool", required=False, nullable=True),
+        **{name: _text() for name in ("device", "description", "memfit", "torch", "snapshot", "started")},
+    }
+)
+#: one step record: whole numbers of bytes and counts, seconds, labels
+STEP_SCHEMA = Table(
+    {
+        "kind": Field("str", choices=("step",)),
+        "step": Field("int", low=0, high=MAX_COUNT),
+        "allocated": _bytes(required=True),
+        **{name: _bytes() for name in ("reserved", "peak_allocated", "peak_reserved", "unallocated")},
+        **{name: Field("int", required=False, low=0, high=MAX_COUNT) for name in ("num_alloc_retries", "num_ooms")},
+        **{name: Field("number", required=False, low=0, high=1e9) for name in ("time", "seconds")},
+        "labels": Field("table", required=False),
+    }
+)
 
 
-def _header_problem(header: Mapping[str, Any]) -> str | None:
-    """Why a header cannot be used (None: it can)."""
-    if header.get("capacity") is not None and not _is_int(header["capacity"]):
-        return "capacity must be a whole number"
-    window = header.get("window")
-    if window is not None and (not _is_int(window) or window < 3):
-        return "window must be a whole number of at least 3"
-    return None
+def _checked(table: Table, item: Any, source: Path, number: int, what: str) -> dict[str, Any]:
+    """``item`` when it fits ``table``; else one line naming the file, the line and the field."""
+    try:
+        return table.check(item, f"{source}:{number}")
+    except MemfitError as error:
+        where, _, problem = str(error).partition(f"{source}:{number}: ")
+        raise MemfitError(f"{source}:{number}: {what} ({problem or where})") from None
 
 
 def read_run(path: str | os.PathLike[str]) -> RecordedRun:
@@ -159,11 +168,15 @@ def read_run(path: str | os.PathLike[str]) -> RecordedRun:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
+            item = strict_loads(line)
         except json.JSONDecodeError:
             if number == len(lines) and header is not None:
                 break  # the last line was cut short by a crash
             raise MemfitError(f"{source}:{number}: not a memfit monitor record (not JSON)") from None
+        except NotFiniteError as error:
+            raise MemfitError(f"{source}:{number}: not a memfit monitor record ({error} is no number)") from None
+        except ValueError:  # int(): more digits than Python converts
+            raise MemfitError(f"{source}:{number}: not a memfit monitor record (a number too long)") from None
         except RecursionError:
             raise MemfitError(f"{source}:{number}: not a memfit monitor record (nested too deeply)") from None
         if nesting_depth(item) > MAX_DEPTH:
@@ -173,15 +186,9 @@ def read_run(path: str | os.PathLike[str]) -> RecordedRun:
         if header is None:
             if item.get("kind") != "header":
                 raise MemfitError(f"{source}: not a memfit monitor run (the first line is not its header)")
-            problem = _header_problem(item)
-            if problem:
-                raise MemfitError(f"{source}:{number}: a damaged memfit monitor header ({problem})")
-            header = item
+            header = _checked(HEADER_SCHEMA, item, source, number, "a damaged memfit monitor header")
             continue
-        problem = _record_problem(item)
-        if problem:
-            raise MemfitError(f"{source}:{number}: not a memfit monitor step record ({problem})")
-        records.append(item)
+        records.append(_checked(STEP_SCHEMA, item, source, number, "not a memfit monitor step record"))
     if header is None:
         raise MemfitError(f"{source}: empty, not a memfit monitor run")
     return RecordedRun(header, records)

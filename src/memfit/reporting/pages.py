@@ -9,6 +9,7 @@ with their figures. Self-contained: no CDN, no script, every image embedded as a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import io
 import os
@@ -22,6 +23,7 @@ from memfit._html import html_table, to_html
 from memfit._io import check_writable, write_atomically
 from memfit._plot import png_data_uri
 from memfit._read import load_json
+from memfit._schema import MAX_BYTES, MAX_COUNT, Field, Rows, Table
 from memfit.errors import MemfitError
 from memfit.memory.allocator import snapshot_bytes
 from memfit.monitor.findings import MemoryFinding, findings_html
@@ -189,9 +191,7 @@ def write_results_report(
     embeds it (:mod:`memfit.reporting.memory_viz`), and the pickle and the viewer's page go
     beside it (``report-snapshot.pickle``, ``report-memory-viz.html``).
     """
-    html_path = check_writable(output, "report")
-    for name in ("probe", "estimate", "plan"):
-        check_writable(html_path.with_name(f"{html_path.stem}-{name}.png"), "report figure")
+    html_path = check_report_outputs(output)
     figures: dict[str, bytes] = {}
     body = results_html(doctor=doctor, probe=probe, estimate=estimate, plan=plan, figures=figures)
     extra_files: dict[Path, bytes] = {}
@@ -214,6 +214,30 @@ def write_results_report(
     for path, data in extra_files.items():
         write_atomically(path, data)
     write_atomically(html_path, page.encode("utf-8"))
+    return html_path
+
+
+#: what a report writes beside its page, by suffix: ``report.html`` -> ``report-probe.png``, ...
+REPORT_FILES = (
+    "-probe.png",
+    "-estimate.png",
+    "-plan.png",
+    "-timeline.png",
+    "-snapshot.pickle",
+    "-memory-viz.html",
+)
+
+
+def check_report_outputs(output: str | os.PathLike[str]) -> Path:
+    """Refuse, in one line and before any work, a report page or any file beside it that
+    cannot be written (a folder where the snapshot goes, a pipe, a name too long); return the page's path.
+
+    Args:
+        output: the HTML page to write.
+    """
+    html_path = check_writable(output, "report")
+    for suffix in REPORT_FILES:
+        check_writable(html_path.with_name(f"{html_path.stem}{suffix}"), "report file")
     return html_path
 
 
@@ -277,92 +301,62 @@ class ReportFiles:
 
 
 #: what each result must hold to be one (``memfit X --json`` writes these keys), as
-#: key -> kind: "int" a whole number, "number" an int or float, "object" a JSON object,
-#: "rows" a list of objects, "str" a string; "?" after a kind allows null, before it allows the key missing
-RESULT_SCHEMAS: dict[str, dict[str, str]] = {
-    "probe": {
-        "max_batch_size": "int",
-        "recommended_batch_size": "int",
-        "trials": "rows",
-        "?capacity": "int?",
-    },
-    "estimate": {
-        "batch_size": "int",
-        "peak_allocated": "int",
-        "?peak_reserved": "int",
-        "total": "int",
-        "breakdown": "object",
-        "?memory": "int?",
-    },
-    "plan": {
-        "workload": "str",
-        "candidates": "rows",
-        "?target_batch_size": "int",
-        "?pareto": "rows",
-        "?recommended": "object?",
-        "?capacity": "int?",
-    },
-}
-#: what each row (a probe trial, a plan candidate) holds, by the same rules
-ROW_SCHEMAS: dict[str, dict[str, str]] = {
-    "trials": {
-        "batch_size": "int",
-        "?peak_allocated": "int?",
-        "?peak_reserved": "int?",
-        "?samples_per_second": "number?",
-    },
-    "candidates": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
-    "pareto": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
-    "recommended": {"?peak_reserved": "int?", "?samples_per_second": "number?"},
-}
-_KIND_NAMES = {
-    "int": "a whole number",
-    "number": "a number",
-    "object": "an object",
-    "rows": "a list of objects",
-    "str": "a string",
-}
+def _result_schemas() -> dict[str, Table]:
+    """What each ``memfit {probe,estimate,plan} --json`` result holds that a page draws, field by field."""
+    size = functools.partial(Field, "int", nullable=True, low=0, high=MAX_BYTES)
+    speed = Field("number", required=False, nullable=True, low=0, high=1e15)
+    batch = functools.partial(Field, "int", low=0, high=MAX_COUNT)
+    row = Table({"peak_reserved": size(required=False), "samples_per_second": speed})
+    return {
+        "probe": Table(
+            {
+                "max_batch_size": batch(),
+                "recommended_batch_size": batch(),
+                "trials": Rows(
+                    Table(
+                        {
+                            "batch_size": batch(low=1),
+                            "peak_allocated": size(required=False),
+                            "peak_reserved": size(required=False),
+                            "samples_per_second": speed,
+                        }
+                    )
+                ),
+                "capacity": size(required=False),
+            }
+        ),
+        "estimate": Table(
+            {
+                "batch_size": batch(low=1),
+                "peak_allocated": size(nullable=False),
+                "peak_reserved": size(required=False, nullable=False),
+                "total": size(nullable=False),
+                "breakdown": Field("table"),
+                "memory": size(required=False),
+            }
+        ),
+        "plan": Table(
+            {
+                "workload": Field("str"),
+                "candidates": Rows(row),
+                "target_batch_size": batch(required=False, low=1),
+                "pareto": Rows(row, required=False),
+                "recommended": Field("table", required=False, nullable=True, fields=row),
+                "capacity": size(required=False),
+            }
+        ),
+    }
 
 
-def _kind_ok(value: Any, kind: str) -> bool:
-    if kind.endswith("?"):
-        return value is None or _kind_ok(value, kind[:-1])
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "number":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind == "object":
-        return isinstance(value, Mapping)
-    if kind == "str":
-        return isinstance(value, str)
-    return isinstance(value, list) and all(isinstance(row, Mapping) for row in value)  # "rows"
-
-
-def _fields_problem(data: Mapping[str, Any], schema: Mapping[str, str]) -> str | None:
-    for spec, kind in schema.items():
-        key = spec.lstrip("?")
-        if key not in data:
-            if spec.startswith("?"):
-                continue
-            return f"no {key!r}"
-        if not _kind_ok(data[key], kind):
-            return f"{key!r} is not {_KIND_NAMES[kind.rstrip('?')]}"
-    return None
+RESULT_SCHEMAS = _result_schemas()
 
 
 def _schema_problem(data: Mapping[str, Any], what: str) -> str | None:
-    """Why ``data`` is not a ``memfit {what} --json`` result (None: it is one)."""
-    problem = _fields_problem(data, RESULT_SCHEMAS.get(what, {}))
-    if problem:
-        return problem
-    for key, schema in ROW_SCHEMAS.items():
-        known = {spec.lstrip("?") for spec in RESULT_SCHEMAS.get(what, {})}
-        value = data.get(key) if key in known else None
-        rows = value if isinstance(value, list) else [value] if isinstance(value, Mapping) else []
-        for index, row in enumerate(rows):
-            problem = _fields_problem(row, schema)
-            if problem:
-                return f"{key}[{index}]: {problem}" if isinstance(value, list) else f"{key}: {problem}"
+    """Why ``data`` is not a ``memfit {what} --json`` result (None: it is one): the field and why."""
+    try:
+        RESULT_SCHEMAS[what].check(data, "result")
+    except MemfitError as error:
+        return str(error).removeprefix("result: ")
     return None
 
 
@@ -427,8 +421,8 @@ def write_report(
         snapshot: an allocator snapshot (a dict, or a pickle file) to embed; by default
             the one the monitor wrote (``Monitor(snapshot=...)``), when it is there.
     """
-    html_path = check_writable(output, "report")
-    png_path = check_writable(timeline_path(html_path), "report figure")
+    html_path = check_report_outputs(output)
+    png_path = timeline_path(html_path)
     if isinstance(run, Monitor):
         recorded = run.recorded()
     elif isinstance(run, RecordedRun):

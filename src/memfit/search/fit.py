@@ -186,12 +186,11 @@ def _plan_progress(say: Say) -> Callable[[Candidate], None]:
 def _check_outputs(lock_path: str | os.PathLike[str], report_dir: str | os.PathLike[str] | None) -> None:
     """Refuse a lock or report path that cannot be written, before any trial."""
     from memfit._io import check_writable, check_writable_folder
+    from memfit.reporting.pages import check_report_outputs
 
     check_writable(lock_path, "lock")
     if report_dir is not None:
-        folder = check_writable_folder(report_dir, "report folder")
-        for name in ("report.html", "report-probe.png", "report-estimate.png", "report-plan.png"):
-            check_writable(folder / name, "report folder")
+        check_report_outputs(check_writable_folder(report_dir, "report folder") / "report.html")
 
 
 def fit(

@@ -38,19 +38,23 @@ True
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 
 from memfit._io import write_atomically
 from memfit._read import MAX_RESULT_BYTES, read_text
+from memfit._schema import MAX_BYTES, MAX_COUNT, Field, Table, shown
 from memfit._version import __version__
 from memfit.environment.envfile import EnvironmentCheck, Fingerprint, compare, fingerprint
 from memfit.errors import MemfitError
-from memfit.run.settings import Settings
+from memfit.run.settings import PRECISIONS, Settings
+from memfit.run.strategy import SHARDS
 from memfit.search.headroom import DEFAULT_HEADROOM
 
 if sys.version_info >= (3, 11):
@@ -161,54 +165,173 @@ def write_lock(lock: Lock, path: str | os.PathLike[str] = "memfit.lock") -> Path
     return write_atomically(path, lock.to_toml())
 
 
-def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:
-    """Read a lock; a missing, corrupt, foreign or newer-schema file is a one-line MemfitError."""
-    path = Path(path)
-    if not path.exists():
-        raise MemfitError(f"{path} not found: write one with `memfit fit`")
+#: the most ranks a lock plans for (far above any job, far below what would overflow a product)
+MAX_WORLD_SIZE = 2**20
+#: the largest target batch memfit plans for (``search.candidates.MAX_TARGET_BATCH``, which
+#: imports torch: `memfit check` must not); a micro-batch or accumulation is at most as large
+MAX_TARGET_BATCH = 2**24
+MAX_STEPS = MAX_TARGET_BATCH
+
+
+def _lock_schema() -> Table:
+    """What memfit writes into a lock, field by field (the environment table: the fingerprint's)."""
+    count = functools.partial(Field, "int", low=1, high=MAX_STEPS)
+    size = functools.partial(Field, "int", required=False, low=0, high=MAX_BYTES)
+    optional_text = functools.partial(Field, "str", required=False)
+    return Table(
+        {
+            "schema": Field("str"),
+            "schema_version": Field("int", low=1, high=SCHEMA_VERSION),
+            "memfit_version": optional_text(high=200),
+            "created": optional_text(high=200),
+            "workload": Field(
+                "table",
+                fields=Table(
+                    {"ref": optional_text(low=1), "name": optional_text(), "note": optional_text()}, strict=True
+                ),
+            ),
+            "settings": Field(
+                "table",
+                fields=Table(
+                    {
+                        "precision": optional_text(choices=PRECISIONS),
+                        "checkpointing": optional_text(high=500),  # a policy: Settings checks it
+                        "micro_batch_size": count(),
+                        "accumulation_steps": count(required=False),
+                        "world_size": Field("int", required=False, low=1, high=MAX_WORLD_SIZE),
+                        "shard": optional_text(choices=SHARDS),
+                        "shard_group_size": Field("int", required=False, low=1, high=MAX_WORLD_SIZE),
+                    },
+                    strict=True,
+                ),
+            ),
+            "target": Field(
+                "table",
+                fields=Table(
+                    {
+                        "batch_size": Field("int", low=1, high=MAX_TARGET_BATCH),
+                        "world_size": Field("int", required=False, low=1, high=MAX_WORLD_SIZE),
+                    },
+                    strict=True,
+                ),
+            ),
+            "measured": Field(
+                "table",
+                required=False,
+                fields=Table(
+                    {
+                        "device": optional_text(high=200),
+                        "capacity": size(),
+                        "peak_allocated": size(),
+                        "peak_reserved": size(),
+                        "samples_per_second": Field("number", required=False, low=0, high=1e15),
+                        "headroom": Field("number", required=False, low=0, high=0.99),
+                        "max_batch_size": Field("int", required=False, low=0, high=MAX_COUNT),
+                    },
+                    strict=True,
+                ),
+            ),
+            "predicted": Field(
+                "table",
+                required=False,
+                fields=Table(
+                    {
+                        "peak_allocated": size(),
+                        "peak_reserved": size(),
+                        "seconds_per_step": Field("number", required=False, low=0, high=1e15),
+                        "samples_per_second": Field("number", required=False, low=0, high=1e15),
+                        "speed_gpu": optional_text(high=200),
+                    },
+                    strict=True,
+                ),
+            ),
+            "environment": Field("table"),  # Fingerprint.from_dict checks it, field by field
+        },
+        strict=True,
+    )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The lock's TOML, parsed; a one-line MemfitError when it is not TOML memfit could read."""
     try:
         text = read_text(path, "file", MAX_RESULT_BYTES)  # a folder, a device, a binary file
     except MemfitError as error:
         raise MemfitError(f"{path} is not a valid memfit.lock: {error}") from None
     try:
-        data = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise MemfitError(f"{path} is not a valid memfit.lock (TOML error: {str(error).splitlines()[0]})") from None
     except RecursionError:
         raise MemfitError(f"{path} is not a valid memfit.lock (nested too deeply)") from None
+    except ValueError:  # int(): more digits than Python converts
+        raise MemfitError(f"{path} is not a valid memfit.lock (a number too long for any field)") from None
+
+
+def _consistent(path: Path, settings: Settings, target: int, world_size: int) -> None:
+    """Refuse a lock whose numbers disagree with each other (memfit never writes one)."""
+    if settings.world_size != world_size:
+        raise MemfitError(
+            f"{path} is a damaged memfit.lock: settings.world_size {settings.world_size} "
+            f"is not target.world_size {world_size}"
+        )
+    product = (settings.micro_batch_size or 0) * settings.accumulation_steps * world_size
+    if product != target:
+        raise MemfitError(
+            f"{path} is a damaged memfit.lock: target.batch_size {target} is not micro_batch_size x "
+            f"accumulation_steps x world_size = {product}"
+        )
+
+
+def load_lock(path: str | os.PathLike[str] = "memfit.lock") -> Lock:
+    """Read a lock; a missing, corrupt, foreign, newer-schema or damaged file is a one-line MemfitError.
+
+    Every field is checked against what memfit writes (:func:`_lock_schema`): its type
+    (``true`` is no number), its range, its finiteness; and the numbers against each other.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise MemfitError(f"{path} not found: write one with `memfit fit`")
+    data = _read_toml(path)
     if data.get("schema") != SCHEMA:
         raise MemfitError(f'{path} is not a memfit.lock (no schema = "{SCHEMA}")')
     version = data.get("schema_version")
-    if not isinstance(version, int) or version < 1:
-        raise MemfitError(f"{path} has an invalid schema_version {version!r}")
-    if version > SCHEMA_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         raise MemfitError(
-            f"{path} has schema_version {version}, newer than this memfit reads ({SCHEMA_VERSION}): upgrade memfit"
+            f"{path} has schema_version {shown(version)}, newer than this memfit reads ({SCHEMA_VERSION}): "
+            "upgrade memfit"
         )
     try:
+        _lock_schema().check(data, f"{path} is a damaged memfit.lock")
         settings = Settings(**data["settings"])
-        if settings.micro_batch_size is None:
-            raise KeyError("settings.micro_batch_size")
         table = data["workload"]
         ref = table.get("ref")
         if ref is None and "name" not in table:
-            raise KeyError("workload.ref")
-        return Lock(
-            workload=None if ref is None else str(ref),
-            workload_name=str(table.get("name", ref)),
-            settings=settings,
-            target_batch_size=int(data["target"]["batch_size"]),
-            world_size=int(data["target"].get("world_size", 1)),
-            measured=Measured(**data.get("measured", {})),
-            predicted=Predicted(**data.get("predicted", {})),
-            environment=Fingerprint.from_dict(data["environment"], source=f"{path} [environment]"),
-            memfit_version=str(data.get("memfit_version", "")),
-            created=str(data.get("created", "")),
+            raise MemfitError("workload.ref is missing (and no workload.name)")
+        target = data["target"]
+        world_size = target.get("world_size", 1)
+        environment = Fingerprint.from_dict(
+            data["environment"],
+            source=f"{path} [environment]",
+            prefix="environment.",
+            damaged=f"{path} is a damaged memfit.lock",
         )
     except MemfitError as error:
-        raise MemfitError(f"{path} is a damaged memfit.lock: {error}") from None
-    except (KeyError, TypeError, ValueError) as error:
-        raise MemfitError(f"{path} is a damaged memfit.lock: bad or missing {error}") from None
+        message = str(error)
+        prefix = f"{path} is a damaged memfit.lock:"
+        raise MemfitError(message if message.startswith(prefix) else f"{prefix} {message}") from None
+    _consistent(path, settings, target["batch_size"], world_size)
+    return Lock(
+        workload=ref,
+        workload_name=table.get("name", ref),
+        settings=settings,
+        target_batch_size=target["batch_size"],
+        world_size=world_size,
+        measured=Measured(**data.get("measured", {})),
+        predicted=Predicted(**data.get("predicted", {})),
+        environment=environment,
+        memfit_version=data.get("memfit_version", ""),
+        created=data.get("created", ""),
+    )
 
 
 def check_lock(path: str | os.PathLike[str] = "memfit.lock", current: Fingerprint | None = None) -> EnvironmentCheck:
