@@ -651,7 +651,9 @@ def _speed_card(target: Target, settings: Settings) -> GPU | None:
     modelled), or for bf16 on a card without it (:func:`_no_speed_reason` says which).
     """
     card = target.speed
-    if card is None or settings.world_size > 1 or (settings.precision == "bf16" and not card.bf16):
+    if card is None or not card.has_peaks or settings.world_size > 1:
+        return None
+    if settings.precision == "bf16" and not card.bf16:
         return None
     return card
 
@@ -662,6 +664,16 @@ def _no_speed_reason(target: Target, settings: Settings) -> str:
     card = target.speed
     if card is None:
         return ""
+    if not card.has_peaks:
+        why = (
+            "no fp32= and bandwidth= were given"
+            if card.memory_source == "custom"
+            else "the table has none: a laptop part's clocks depend on the laptop's power limit"
+        )
+        return (
+            f"no peak throughput and bandwidth for the {card.name} ({why}); give them with "
+            "--gpu custom:memory=..,cc=..,fp32=..,bandwidth=.."
+        )
     if settings.world_size > 1:
         return (
             f"no step time for {settings.world_size} ranks: communication is not modelled, "
