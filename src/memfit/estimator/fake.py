@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +170,30 @@ class _FakeStepTracker(StorageTracker):
         raise UnsupportedOperation(message)  # outside the except block: no chained traceback
 
 
+#: how PyTorch refuses a Tensor subclass made from a fake tensor (``Tensor._make_subclass``,
+#: the way bitsandbytes makes its 4-bit and 8-bit weights, Params4bit and Int8Params)
+_SUBCLASS_REFUSAL = re.compile(
+    r"Creating a new Tensor subclass (\w+) but the raw Tensor object is already associated to a python object of type FakeTensor"
+)
+
+
+def tensor_subclass_message(error: BaseException) -> str | None:
+    """One line for a parameter class fake tensors cannot hold (a quantized base model's
+    weights), or None when ``error`` is something else.
+
+    Why refuse: the class wraps real storage and quantizes it with its own kernels, so a
+    fake copy would count the weights unquantized, or not at all.
+    """
+    match = _SUBCLASS_REFUSAL.search(str(error)) if isinstance(error, RuntimeError) else None
+    if match is None:
+        return None
+    return (
+        f"cannot estimate: the model's {match.group(1)} weights (a Tensor subclass made from real storage, as "
+        "bitsandbytes' 4-bit and 8-bit weights are) cannot be made on fake tensors; "
+        "measure on a device instead (memfit measure / probe --trials real)"
+    )
+
+
 def _zero_like_scalar(tensor: torch.Tensor) -> float | int | bool:
     if tensor.dtype == torch.bool:
         return False
@@ -289,17 +314,21 @@ def run_fake_steps(
     # (and its storage counted), as it would be copied to the GPU.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fits = True
+    refusal = None
     try:
         observer = observing(counter.kernel) if counter is not None else contextlib.nullcontext()
         with mode, _swappable_parameters(mode), watching_positions() as positions, observer:
             fake = _fake_workload(workload, mode, foreach, positions)
             run_steps(fake, settings, device, steps=steps, label_modules=True)
     except Exception as error:
-        if not is_oom(error):
+        refusal = tensor_subclass_message(error)
+        if refusal is None and not is_oom(error):
             raise
         fits = False
     finally:
         device.tracker.forget_all()  # nothing of a stopped run lingers in the tracker
+    if refusal is not None:
+        raise UnsupportedOperation(refusal)  # outside the except block: no chained traceback
     stats = device.memory_stats()
     assert device.events is not None
     return FakeRun(
