@@ -154,6 +154,8 @@ def command(
         console.print(f"Predicted speed: {result.speed_note}.")
     if result.world_size > 1:
         console.print(method_line(result))
+    if result.compile_note:
+        console.print(f"[yellow]torch.compile:[/yellow] {result.compile_note}.", soft_wrap=True)
     if snapshot_path is not None:
         console.print(
             f"snapshot: {snapshot_path} (open it at https://pytorch.org/memory_viz, "

@@ -46,6 +46,7 @@ from memfit.cuda.counting import counting
 from memfit.cuda.kernels import observing
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
+from memfit.estimator.compiled import CompileWatch
 from memfit.estimator.timing import OpCounter, OpTrace
 from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.memory.devices import SimDevice
@@ -91,6 +92,8 @@ class FakeRun:
     snapshot: dict[str, Any] | None = None
     #: the rank of N the run is for (:mod:`memfit.estimator.distributed_trace`); 0 on one GPU
     rank: int = 0
+    #: what of the workload is torch.compile'd and ran eager (:mod:`memfit.estimator.compiled`); "" if nothing
+    compile_note: str = ""
 
 
 #: runs the fake steps at one settings (its micro-batch) within a budget, counting the last
@@ -235,15 +238,35 @@ def _with_foreach(
     return make
 
 
-def _fake_workload(workload: Workload, mode: FakeTensorMode, foreach: bool, positions: PositionsWatch) -> Workload:
+def _fake_workload(
+    workload: Workload,
+    mode: FakeTensorMode,
+    foreach: bool,
+    positions: PositionsWatch,
+    compiled: CompileWatch | None = None,
+) -> Workload:
     """The workload with its model made under fake mode and, for CUDA, foreach optimizers.
 
-    Its batches are shown to ``positions`` (see :mod:`memfit.estimator.transformers_masks`).
+    Its batches are shown to ``positions`` (see :mod:`memfit.estimator.transformers_masks`);
+    its model and functions to ``compiled`` (what of it is torch.compile'd).
     """
     changes: dict[str, Any] = {}
+    compiled = compiled if compiled is not None else CompileWatch()
+    compiled.inspect_functions({"loss": workload.loss, "make_batch": workload.make_batch})
     if isinstance(workload.model, nn.Module):
+        compiled.inspect_model(workload.model)
         with FakeCopyMode(mode):
             changes["model"] = copy.deepcopy(workload.model)
+    else:
+        factory = workload.model
+
+        def build() -> nn.Module:
+            model = factory()
+            if isinstance(model, nn.Module):  # else build_model says what it returned
+                compiled.inspect_model(model)
+            return model
+
+        changes["model"] = build
     if foreach:
         changes["optimizer"] = _with_foreach(workload.optimizer)
     make_batch = workload.make_batch
@@ -315,10 +338,11 @@ def run_fake_steps(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fits = True
     refusal = None
+    compiled = CompileWatch()
     try:
         observer = observing(counter.kernel) if counter is not None else contextlib.nullcontext()
-        with mode, _swappable_parameters(mode), watching_positions() as positions, observer:
-            fake = _fake_workload(workload, mode, foreach, positions)
+        with mode, _swappable_parameters(mode), watching_positions() as positions, observer, compiled.watching():
+            fake = _fake_workload(workload, mode, foreach, positions, compiled)
             run_steps(fake, settings, device, steps=steps, label_modules=True)
     except Exception as error:
         refusal = tensor_subclass_message(error)
@@ -338,6 +362,7 @@ def run_fake_steps(
         fits=fits,
         ops=counter.trace() if counter is not None and fits else None,
         snapshot=device.allocator.snapshot() if history else None,
+        compile_note=compiled.note(),
     )
 
 
