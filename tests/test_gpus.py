@@ -225,9 +225,60 @@ PUBLISHED: dict[str, tuple[tuple[int, int], int]] = {
     "RTX A5000": ((8, 6), 24),
     "RTX A6000": ((8, 6), 48),
     "RTX 6000 Ada": ((8, 9), 48),
+    # issue 23 (https://developer.nvidia.com/cuda-gpus; memory from NVIDIA's product pages)
+    "RTX 2060": ((7, 5), 6),
+    "RTX 2060 Super": ((7, 5), 8),
+    "RTX 2070": ((7, 5), 8),
+    "RTX 2070 Super": ((7, 5), 8),
+    "RTX 2080": ((7, 5), 8),
+    "RTX 2080 Super": ((7, 5), 8),
+    "Titan RTX": ((7, 5), 24),
+    "GTX 1650": ((7, 5), 4),
+    "GTX 1650 Super": ((7, 5), 4),
+    "GTX 1660": ((7, 5), 6),
+    "GTX 1660 Super": ((7, 5), 6),
+    "GTX 1660 Ti": ((7, 5), 6),
+    "RTX 3050 8GB": ((8, 6), 8),
+    "RTX 3060 Ti": ((8, 6), 8),
+    "RTX 3070 Ti": ((8, 6), 8),
+    "RTX 3080 Ti": ((8, 6), 12),
+    "RTX 4060": ((8, 9), 8),
+    "RTX 4070 Super": ((8, 9), 12),
+    "RTX 4070 Ti": ((8, 9), 12),
+    "RTX 4070 Ti Super": ((8, 9), 16),
+    "RTX 4080 Super": ((8, 9), 16),
+    "RTX 5060": ((12, 0), 8),
+    "RTX 5060 Ti 8GB": ((12, 0), 8),
+    "RTX 5060 Ti 16GB": ((12, 0), 16),
+    "RTX 5070": ((12, 0), 12),
+    "RTX 5070 Ti": ((12, 0), 16),
+    "RTX 5080": ((12, 0), 16),
+    "GTX 1060 3GB": ((6, 1), 3),
+    "GTX 1060 6GB": ((6, 1), 6),
+    "GTX 1070": ((6, 1), 8),
+    "GTX 1070 Ti": ((6, 1), 8),
+    "GTX 1080": ((6, 1), 8),
+    "GTX 1080 Ti": ((6, 1), 11),
+    "P100 PCIe 16GB": ((6, 0), 16),
+    "P100 PCIe 12GB": ((6, 0), 12),
+    "P100 SXM2 16GB": ((6, 0), 16),
+    "P40": ((6, 1), 24),
+    "RTX 3050 Laptop": ((8, 6), 4),
+    "RTX 3050 Ti Laptop": ((8, 6), 4),
+    "RTX 3060 Laptop": ((8, 6), 6),
+    "RTX 3070 Laptop": ((8, 6), 8),
+    "RTX 3070 Ti Laptop": ((8, 6), 8),
+    "RTX 3080 Ti Laptop": ((8, 6), 16),
+    "RTX 4050 Laptop": ((8, 9), 6),
+    "RTX 4060 Laptop": ((8, 9), 8),
+    "RTX 4070 Laptop": ((8, 9), 8),
+    "RTX 4080 Laptop": ((8, 9), 12),
+    "RTX 4090 Laptop": ((8, 9), 16),
 }
 #: the architecture of each compute capability (CUDA C++ Programming Guide, "Compute Capabilities")
 ARCHITECTURE = {
+    (6, 0): "pascal",
+    (6, 1): "pascal",
     (7, 0): "volta",
     (7, 5): "turing",
     (8, 0): "ampere",
@@ -314,12 +365,17 @@ def test_table_facts_are_consistent() -> None:
     names = [gpu.name for gpu in GPUS]
     assert len(names) == len(set(names))
     for gpu in GPUS:
-        assert gpu.memory % MiB == 0 and gpu.memory > 7 * 2**30
-        assert gpu.bf16 == (gpu.compute_capability >= (8, 0)) == (gpu.bf16_tensor is not None)
-        assert (gpu.tf32 is not None) == (gpu.compute_capability >= (8, 0))
+        assert gpu.memory % MiB == 0 and gpu.memory > 2 * 2**30
+        assert gpu.bf16 == (gpu.compute_capability >= (8, 0))
         assert gpu.memory_source in ("torch", "smi", "spec")
         assert gpu.spec_source
-        assert 0 < gpu.fp32 < (gpu.fp16_tensor or 0) and gpu.bandwidth > 0
+        if gpu.has_peaks:  # a laptop part has none (its clocks are the laptop's)
+            assert gpu.bf16 == (gpu.bf16_tensor is not None) == (gpu.tf32 is not None)
+            # tensor cores from Volta on, except the GTX 16 cards
+            assert (gpu.fp16_tensor is not None) == (gpu.compute_capability >= (7, 0) and "GTX" not in gpu.name)
+            assert 0 < gpu.fp32 < (gpu.fp16_tensor or float("inf")) and gpu.bandwidth > 0
+        else:
+            assert gpu.fp32 == gpu.bandwidth == 0 and "Laptop" in gpu.name
         assert gpu.to_dict()["compute_capability"].count(".") == 1
         # every spelling of a card finds that card
         for spelling in (gpu.name, *gpu.aliases):

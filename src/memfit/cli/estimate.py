@@ -49,7 +49,8 @@ from memfit.units import format_size
     "--gpu",
     default=None,
     metavar="NAME",
-    help='A GPU model from the table, as torch or nvidia-smi names it ("NVIDIA A100-SXM4-80GB") or short ("RTX 3090").',
+    help='A GPU model from the table, as torch or nvidia-smi names it ("NVIDIA A100-SXM4-80GB") or short ("RTX 3090"); '
+    "a card it lacks: custom:memory=12GiB,cc=8.6[,fp32=TFLOPS,fp16=..,bf16=..,tf32=..,bandwidth=GB/s].",
 )
 @click.option("--memory", default=None, metavar="SIZE", help="A GPU whose PyTorch allocator may reserve SIZE.")
 @click.option(
@@ -154,6 +155,8 @@ def command(
         console.print(f"Predicted speed: {result.speed_note}.")
     if result.world_size > 1:
         console.print(method_line(result))
+    if result.compile_note:
+        console.print(f"[yellow]torch.compile:[/yellow] {result.compile_note}.", soft_wrap=True)
     if snapshot_path is not None:
         console.print(
             f"snapshot: {snapshot_path} (open it at https://pytorch.org/memory_viz, "

@@ -70,6 +70,13 @@ EXPECTED_TRIALS = 10
     help="A predicted maximum, tried first (default: memfit estimate's, when the memory is known).",
 )
 @click.option("--no-estimate", is_flag=True, help="Search from batch 1 instead of starting at the estimate.")
+@click.option(
+    "--eval",
+    "evaluation",
+    is_flag=True,
+    help="The largest evaluation batch instead: the loss in eval mode under torch.no_grad, no optimizer step.",
+)
+@click.option("--inference-mode", is_flag=True, help="With --eval: under torch.inference_mode instead of no_grad.")
 @settings_options
 @trials_option
 @strategy_options
@@ -91,6 +98,8 @@ def command(
     headroom: float,
     guess: int | None,
     no_estimate: bool,
+    evaluation: bool,
+    inference_mode: bool,
     precision: str,
     checkpointing: str,
     trials: str,
@@ -104,6 +113,8 @@ def command(
 
     Each trial runs two optimizer steps; an out-of-memory is a trial result.
     """
+    if inference_mode and not evaluation:
+        raise MemfitError("--inference-mode applies to the evaluation batch: add --eval")
     if plot_path is not None and plot_path.suffix.lower() != ".png":
         raise MemfitError(f"--plot {plot_path}: the file name must end in .png")
     if plot_path is not None:
@@ -125,6 +136,7 @@ def command(
                 progress=progress,
                 trials=cast("TrialKind", trials),
                 say=(lambda text: err_console.print(f"memfit probe · {text}")) if main else None,
+                evaluation=("inference_mode" if inference_mode else "no_grad") if evaluation else False,
             )
     if not main:
         return
@@ -186,6 +198,14 @@ def summary(result: ProbeResult) -> str:
             f" per rank of {result.extra['rehearsed_world_size']} ({result.extra['strategy']}; rank "
             f"{result.extra['rehearsed_rank']}, the one holding the most, rehearsed on a fake process group: "
             "samples/s without communication)"
+        )
+    mode = result.extra.get("evaluation")
+    if mode is not None:
+        return (
+            f"largest evaluation batch that fits: [bold]{result.max_batch_size}[/bold] ({bound}; eval mode under "
+            f"torch.{mode}, no gradients or optimizer state)\n"
+            f"recommended evaluation batch: [bold]{result.recommended_batch_size}[/bold]: {result.reason}\n"
+            f"{len(result.trials)} trials, {result.trial_steps} evaluation batches"
         )
     return (
         f"largest batch that fits: [bold]{result.max_batch_size}[/bold]{ranks} ({bound})\n"

@@ -224,6 +224,8 @@ class Estimate(HtmlRepr):
     predicted_time: dict[str, Any] | None = None
     #: why there is no predicted step on the target's card, when there is a card
     speed_note: str = ""
+    #: "estimated as eager: ..." when the workload is torch.compile'd (see memfit.estimator.compiled)
+    compile_note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -306,6 +308,11 @@ class _Prediction:
         return self._peak
 
     @property
+    def compile_note(self) -> str:
+        """What of the workload is torch.compile'd and ran eager ("" if nothing)."""
+        return self._run.compile_note
+
+    @property
     def rank(self) -> int:
         """The rank whose run this is (the heaviest traced; 0 on one GPU)."""
         self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
@@ -376,6 +383,7 @@ class _Shown:
     rank: int = 0
     note: str = ""
     step: StepTime | None = None
+    compile_note: str = ""
 
 
 def estimate(
@@ -551,6 +559,7 @@ def _traced(request: _Request, way: Way) -> Estimate:
             # under ZeRO-1 the heaviest rank can change with the batch size: the one of the batch shown
             rank=prediction.rank,
             step=step,
+            compile_note=prediction.compile_note,
         )
     )
 
@@ -574,7 +583,8 @@ def _by_formulas(request: _Request, reason: str) -> Estimate:
 
     max_batch = _search(outcome, target, target.memory, options)
     chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
-    peak = predict(chosen).peak
+    prediction = predict(chosen)
+    peak = prediction.peak
     return _result(
         _Shown(
             workload=wl.name,
@@ -591,6 +601,7 @@ def _by_formulas(request: _Request, reason: str) -> Estimate:
                 "(memfit.estimator.sharding), which leave out FSDP's all-gather and reduce-scatter "
                 "buffers and the full parameters of each unit"
             ),
+            compile_note=prediction.compile_note,
         )
     )
 
@@ -641,6 +652,7 @@ def _result(shown: _Shown) -> Estimate:
         speed_gpu=step.gpu if step else None,
         predicted_time=step.to_dict() if step else None,
         speed_note="" if step else _no_speed_reason(target, settings),
+        compile_note=shown.compile_note,
     )
 
 
@@ -651,7 +663,9 @@ def _speed_card(target: Target, settings: Settings) -> GPU | None:
     modelled), or for bf16 on a card without it (:func:`_no_speed_reason` says which).
     """
     card = target.speed
-    if card is None or settings.world_size > 1 or (settings.precision == "bf16" and not card.bf16):
+    if card is None or not card.has_peaks or settings.world_size > 1:
+        return None
+    if settings.precision == "bf16" and not card.bf16:
         return None
     return card
 
@@ -662,6 +676,16 @@ def _no_speed_reason(target: Target, settings: Settings) -> str:
     card = target.speed
     if card is None:
         return ""
+    if not card.has_peaks:
+        why = (
+            "no fp32= and bandwidth= were given"
+            if card.memory_source == "custom"
+            else "the table has none: a laptop part's clocks depend on the laptop's power limit"
+        )
+        return (
+            f"no peak throughput and bandwidth for the {card.name} ({why}); give them with "
+            "--gpu custom:memory=..,cc=..,fp32=..,bandwidth=.."
+        )
     if settings.world_size > 1:
         return (
             f"no step time for {settings.world_size} ranks: communication is not modelled, "

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from memfit.cuda.counting import counting
 from memfit.cuda.kernels import observing
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
+from memfit.estimator.compiled import CompileWatch
 from memfit.estimator.timing import OpCounter, OpTrace
 from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.memory.devices import SimDevice
@@ -90,6 +92,8 @@ class FakeRun:
     snapshot: dict[str, Any] | None = None
     #: the rank of N the run is for (:mod:`memfit.estimator.distributed_trace`); 0 on one GPU
     rank: int = 0
+    #: what of the workload is torch.compile'd and ran eager (:mod:`memfit.estimator.compiled`); "" if nothing
+    compile_note: str = ""
 
 
 #: runs the fake steps at one settings (its micro-batch) within a budget, counting the last
@@ -169,6 +173,30 @@ class _FakeStepTracker(StorageTracker):
         raise UnsupportedOperation(message)  # outside the except block: no chained traceback
 
 
+#: how PyTorch refuses a Tensor subclass made from a fake tensor (``Tensor._make_subclass``,
+#: the way bitsandbytes makes its 4-bit and 8-bit weights, Params4bit and Int8Params)
+_SUBCLASS_REFUSAL = re.compile(
+    r"Creating a new Tensor subclass (\w+) but the raw Tensor object is already associated to a python object of type FakeTensor"
+)
+
+
+def tensor_subclass_message(error: BaseException) -> str | None:
+    """One line for a parameter class fake tensors cannot hold (a quantized base model's
+    weights), or None when ``error`` is something else.
+
+    Why refuse: the class wraps real storage and quantizes it with its own kernels, so a
+    fake copy would count the weights unquantized, or not at all.
+    """
+    match = _SUBCLASS_REFUSAL.search(str(error)) if isinstance(error, RuntimeError) else None
+    if match is None:
+        return None
+    return (
+        f"cannot estimate: the model's {match.group(1)} weights (a Tensor subclass made from real storage, as "
+        "bitsandbytes' 4-bit and 8-bit weights are) cannot be made on fake tensors; "
+        "measure on a device instead (memfit measure / probe --trials real)"
+    )
+
+
 def _zero_like_scalar(tensor: torch.Tensor) -> float | int | bool:
     if tensor.dtype == torch.bool:
         return False
@@ -202,15 +230,35 @@ def _use_foreach(optimizer: torch.optim.Optimizer) -> None:
             group["foreach"] = True
 
 
-def _fake_workload(workload: Workload, mode: FakeTensorMode, foreach: bool, positions: PositionsWatch) -> Workload:
+def _fake_workload(
+    workload: Workload,
+    mode: FakeTensorMode,
+    foreach: bool,
+    positions: PositionsWatch,
+    compiled: CompileWatch | None = None,
+) -> Workload:
     """The workload with its model made under fake mode and, for CUDA, foreach optimizers.
 
-    Its batches are shown to ``positions`` (see :mod:`memfit.estimator.transformers_masks`).
+    Its batches are shown to ``positions`` (see :mod:`memfit.estimator.transformers_masks`);
+    its model and functions to ``compiled`` (what of it is torch.compile'd).
     """
     changes: dict[str, Any] = {}
+    compiled = compiled if compiled is not None else CompileWatch()
+    compiled.inspect_functions({"loss": workload.loss, "make_batch": workload.make_batch})
     if isinstance(workload.model, nn.Module):
+        compiled.inspect_model(workload.model)
         with FakeCopyMode(mode):
             changes["model"] = copy.deepcopy(workload.model)
+    else:
+        factory = workload.model
+
+        def build() -> nn.Module:
+            model = factory()
+            if isinstance(model, nn.Module):  # else build_model says what it returned
+                compiled.inspect_model(model)
+            return model
+
+        changes["model"] = build
     if foreach:  # the factory keeps its form: optimizer(params) or optimizer(model)
         changes["optimizer"] = workload.with_optimizer_hook(_use_foreach).optimizer
     make_batch = workload.make_batch
@@ -281,17 +329,22 @@ def run_fake_steps(
     # (and its storage counted), as it would be copied to the GPU.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fits = True
+    refusal = None
+    compiled = CompileWatch()
     try:
         observer = observing(counter.kernel) if counter is not None else contextlib.nullcontext()
-        with mode, _swappable_parameters(mode), watching_positions() as positions, observer:
-            fake = _fake_workload(workload, mode, foreach, positions)
+        with mode, _swappable_parameters(mode), watching_positions() as positions, observer, compiled.watching():
+            fake = _fake_workload(workload, mode, foreach, positions, compiled)
             run_steps(fake, settings, device, steps=steps, label_modules=True)
     except Exception as error:
-        if not is_oom(error):
+        refusal = tensor_subclass_message(error)
+        if refusal is None and not is_oom(error):
             raise
         fits = False
     finally:
         device.tracker.forget_all()  # nothing of a stopped run lingers in the tracker
+    if refusal is not None:
+        raise UnsupportedOperation(refusal)  # outside the except block: no chained traceback
     stats = device.memory_stats()
     assert device.events is not None
     return FakeRun(
@@ -301,6 +354,7 @@ def run_fake_steps(
         fits=fits,
         ops=counter.trace() if counter is not None and fits else None,
         snapshot=device.allocator.snapshot() if history else None,
+        compile_note=compiled.note(),
     )
 
 

@@ -84,11 +84,17 @@ def step_time(
         trace: a step already recorded at these settings' micro-batch (skips the fake step).
 
     Raises:
-        MemfitError: no micro-batch, or a precision the card does not have.
+        MemfitError: no micro-batch, a card without peaks (a laptop part), or a precision
+            the card does not have.
     """
     if settings.micro_batch_size is None:
         raise MemfitError("a predicted step time needs a micro-batch size")
     card = speed_gpu(gpu)
+    if not card.has_peaks:
+        raise MemfitError(
+            f"no step time for the {card.name}: its peak throughput and bandwidth are not in the table; "
+            "give a card that has them (or custom:memory=..,cc=..,fp32=..,bandwidth=..)"
+        )
     if settings.precision == "bf16" and not card.bf16:
         raise MemfitError(f"{card.name} does not support bf16: use fp16 or fp32")
     if trace is None:

@@ -90,7 +90,9 @@ def speed_card(gpu: Device, named: str | GPU | None) -> GPU | None:
 
     if named is not None:
         return speed_gpu(named)
-    return speed_gpu(gpu.gpu if isinstance(gpu, SimDevice) else None)
+    card = gpu.gpu if isinstance(gpu, SimDevice) else None
+    # a simulated card without peaks (a laptop part) ranks as a sim:SIZE does, on the default card
+    return speed_gpu(card if card is not None and card.has_peaks else None)
 
 
 @contextmanager

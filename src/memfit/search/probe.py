@@ -50,6 +50,7 @@ from memfit.run.measure import Measurement, non_finite_loss_message
 from memfit.run.settings import Settings
 from memfit.run.state import preserved_workload
 from memfit.run.strategy import describe
+from memfit.search.eval_probe import EvalTrials, EvaluationMode, check_evaluation
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom, next_headroom_batch, repeatable, within_budget
 from memfit.search.trials import TRIAL_KINDS, TrialKind, Trials, choose_trials
 from memfit.units import format_size
@@ -416,6 +417,7 @@ def probe(
     trials: TrialKind = "auto",
     say: Callable[[str], None] | None = None,
     rehearse_rank: int | None = None,
+    evaluation: bool | str = False,
 ) -> ProbeResult:
     """Find the largest batch that fits on ``device`` (exact) and the batch to use.
 
@@ -446,11 +448,15 @@ def probe(
         rehearse_rank: with ``world_size > 1``, the rank whose memory the trials rehearse
             (default: the rank the traced estimate found heaviest at its guess, when it
             ran; else the one holding the most parameter bytes).
+        evaluation: probe the evaluation batch instead (``True``/``"no_grad"``, or
+            ``"inference_mode"``): the loss in eval mode without gradients, each trial
+            real (:mod:`memfit.search.eval_probe`); one GPU only.
 
     Raises:
         DoesNotFitError: not even the smallest batch fits.
     """
     check_headroom(headroom)
+    mode = check_evaluation(evaluation, settings or Settings())
     request = _resolve(
         load_workload(workload),
         device,
@@ -460,6 +466,8 @@ def probe(
         guess=guess,
         trials=trials,
     )
+    if mode is not None:
+        request = dataclasses.replace(request, evaluation=mode)
     hooks = _ProbeHooks(progress, tuple(preserve), say, rehearse_rank)
     failure: BaseException | None = None
     probed: _Probed | None = None
@@ -470,7 +478,8 @@ def probe(
     result = _agree(probed.found if probed else None, failure, request)
     fake = sum(1 for t in result.trials if t.fake)
     note, rehearsed = (probed.note, probed.rehearsed) if probed else (None, {})
-    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed})
+    evaluated = {"evaluation": mode} if mode is not None else {}
+    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed, **evaluated})
 
 
 @dataclass(frozen=True)
@@ -485,6 +494,8 @@ class _ProbeRequest:
     headroom: float
     guess: int | str | None
     trials: TrialKind
+    #: the evaluation batch is probed instead of the training step (see memfit.search.eval_probe)
+    evaluation: EvaluationMode | None = None
 
 
 @dataclass(frozen=True)
@@ -553,7 +564,11 @@ def _search_preserving(request: _ProbeRequest, hooks: _ProbeHooks) -> _Probed:
                 # not always the one holding the most: the trace of every candidate says.
                 rank = guessed.rank
         # The one place that chooses what a trial runs (see memfit.search.trials).
-        run_trial = choose_trials(request.trials, probed, gpu, settings, steps=TRIAL_STEPS, say=hooks.say)
+        run_trial = (
+            EvalTrials(probed, gpu, settings, request.evaluation, say=hooks.say)
+            if request.evaluation is not None
+            else choose_trials(request.trials, probed, gpu, settings, steps=TRIAL_STEPS, say=hooks.say)
+        )
         # world_size > 1: the trials rehearse the rank holding the most, on a fake
         # process group (the strategy's memory exactly; time without communication).
         with rehearsal(wl, settings, rank) as rehearsed_rank:
