@@ -75,7 +75,8 @@ from memfit.estimator.distributed_trace import (
 from memfit.estimator.fake import FakeSteps, Runner
 from memfit.estimator.speed import speed_gpu, step_time
 from memfit.estimator.timing import OpTrace, StepTime
-from memfit.memory.allocator import CachingAllocatorModel
+from memfit.memory import allocator_conf
+from memfit.memory.allocator import CachingAllocatorModel, replay_reserved
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
@@ -224,6 +225,10 @@ class Estimate(HtmlRepr):
     predicted_time: dict[str, Any] | None = None
     #: why there is no predicted step on the target's card, when there is a card
     speed_note: str = ""
+    #: the allocator settings the figures are for (PYTORCH_CUDA_ALLOC_CONF, or "torch's defaults")
+    allocator: str = "torch's defaults"
+    #: peak reserved bytes of the same step under other allocator settings (None: does not fit)
+    reserved_by_setting: dict[str, int | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -286,6 +291,8 @@ class _Prediction:
         #: the allocator model's peak reserved bytes of the budgeted run (what the search needs)
         self.peak_reserved = self._run.peak_reserved
         self._peak: Peak | None = None
+        #: peak reserved under each allocator setting shown (filled with the breakdown)
+        self.by_setting: dict[str, int | None] = {}
 
     @property
     def ops(self) -> OpTrace | None:
@@ -302,6 +309,7 @@ class _Prediction:
                 self._run = self._runner(self._settings, None, self._count_ops)
                 self._budget = None
             self._peak = analyze(self._run.events, budget=self._budget)
+            self.by_setting = _by_setting(self._run.events, self._budget, self._peak.peak_reserved)
             self._run.events = []  # the replay is done: let the events go
         return self._peak
 
@@ -310,6 +318,17 @@ class _Prediction:
         """The rank whose run this is (the heaviest traced; 0 on one GPU)."""
         self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
         return self._run.rank
+
+
+def _by_setting(events: list[Any], budget: int | None, reserved: int) -> dict[str, int | None]:
+    """The step's peak reserved memory under the settings it ran with and under the ones
+    worth comparing (torch's defaults, expandable segments): the same events replayed."""
+    current = allocator_conf.current()
+    shown: dict[str, int | None] = {current.describe(): reserved}
+    for other in allocator_conf.COMPARED:
+        if other.describe() not in shown:
+            shown[other.describe()] = replay_reserved(events, budget, other)
+    return shown
 
 
 class Way(enum.Enum):
@@ -340,6 +359,8 @@ class _Options:
     search: bool
     search_limit: int | None
     speed: bool
+    #: the allocator settings to follow (None: this process's PYTORCH_CUDA_ALLOC_CONF)
+    alloc_conf: str | None = None
 
 
 @dataclass(frozen=True)
@@ -376,6 +397,7 @@ class _Shown:
     rank: int = 0
     note: str = ""
     step: StepTime | None = None
+    by_setting: dict[str, int | None] = field(default_factory=dict)
 
 
 def estimate(
@@ -394,6 +416,7 @@ def estimate(
     search: bool | None = None,
     search_limit: int | None = None,
     speed: bool = True,
+    alloc_conf: str | None = None,
 ) -> Estimate:
     """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
 
@@ -429,6 +452,8 @@ def estimate(
             search ends at once).
         speed: also predict the step time on the target's card (``gpu``, or the
             simulated GPU's card; see :mod:`memfit.estimator.timing`; one GPU only).
+        alloc_conf: the caching allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` takes
+            them (``"expandable_segments:True"``; default: this process's variable).
     """
     wl = load_workload(workload)
     settings = _with_strategy(settings or Settings(), world_size, shard, shard_group_size)
@@ -437,7 +462,9 @@ def estimate(
     target = resolve_target(gpu, memory, device, fixed_costs, cuda_version)
     if settings.precision == "bf16" and not target.bf16:
         raise MemfitError(f"{target.name} does not support bf16: use --precision fp16 or fp32")
-    options = _Options(batch_size, batch_size is None if search is None else search, search_limit, speed)
+    if alloc_conf is not None:
+        allocator_conf.parse(alloc_conf)  # refused here, before any run
+    options = _Options(batch_size, batch_size is None if search is None else search, search_limit, speed, alloc_conf)
     return _estimate(_Request(wl, settings, target, options))
 
 
@@ -458,7 +485,14 @@ def _with_strategy(settings: Settings, world_size: int | None, shard: Shard | No
 
 
 def _estimate(request: _Request) -> Estimate:
-    """The one decision (how the step is traced), then that way down."""
+    """The one decision (how the step is traced), then that way down, under the allocator
+    settings asked for (every allocator model made inside follows them)."""
+    text = request.options.alloc_conf
+    with allocator_conf.use(text) if text is not None else contextlib.nullcontext():
+        return _estimate_as_set(request)
+
+
+def _estimate_as_set(request: _Request) -> Estimate:
     decision = _decide(request)
     if decision.way is Way.IN_CHILD:
         try:
@@ -551,6 +585,7 @@ def _traced(request: _Request, way: Way) -> Estimate:
             # under ZeRO-1 the heaviest rank can change with the batch size: the one of the batch shown
             rank=prediction.rank,
             step=step,
+            by_setting=prediction.by_setting,
         )
     )
 
@@ -641,6 +676,8 @@ def _result(shown: _Shown) -> Estimate:
         speed_gpu=step.gpu if step else None,
         predicted_time=step.to_dict() if step else None,
         speed_note="" if step else _no_speed_reason(target, settings),
+        allocator=allocator_conf.current().describe(),
+        reserved_by_setting=dict(shown.by_setting),
     )
 
 
