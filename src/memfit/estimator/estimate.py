@@ -73,6 +73,7 @@ from memfit.estimator.distributed_trace import (
     unavailable_reason,
 )
 from memfit.estimator.fake import FakeSteps, Runner
+from memfit.estimator.offload import OffloadRun, offload_step_time, offloaded
 from memfit.estimator.speed import speed_gpu, step_time
 from memfit.estimator.timing import OpTrace, StepTime
 from memfit.memory import allocator_conf
@@ -81,7 +82,7 @@ from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
 from memfit.run.settings import Settings
-from memfit.run.strategy import Shard, check_strategy, describe
+from memfit.run.strategy import OFFLOAD_SHARDS, Shard, check_strategy, describe
 from memfit.units import format_size, parse_size
 from memfit.workload import Workload, load_workload
 
@@ -229,6 +230,8 @@ class Estimate(HtmlRepr):
     allocator: str = "torch's defaults"
     #: peak reserved bytes of the same step under other allocator settings (None: does not fit)
     reserved_by_setting: dict[str, int | None] = field(default_factory=dict)
+    #: under CPU offload: the most host memory the step holds (None: no offload)
+    host_memory: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -312,6 +315,12 @@ class _Prediction:
             self.by_setting = _by_setting(self._run.events, self._budget, self._peak.peak_reserved)
             self._run.events = []  # the replay is done: let the events go
         return self._peak
+
+    @property
+    def offload(self) -> OffloadRun | None:
+        """The run shown, when the step offloads to the host (its host figures)."""
+        self.peak  # noqa: B018  (the run shown)
+        return self._run if isinstance(self._run, OffloadRun) else None
 
     @property
     def rank(self) -> int:
@@ -398,6 +407,9 @@ class _Shown:
     note: str = ""
     step: StepTime | None = None
     by_setting: dict[str, int | None] = field(default_factory=dict)
+    host_memory: int | None = None
+    #: under offload: seconds of the host copies and of the CPU's optimizer step
+    host_time: dict[str, float] | None = None
 
 
 def estimate(
@@ -508,7 +520,7 @@ def _decide(request: _Request) -> _Decision:
     """How this process traces the step: one GPU, one rank of N here, in a separate
     process (this one is in a real process group: torchrun, Lightning), or formulas."""
     settings, wl = request.settings, request.workload
-    if settings.world_size <= 1:
+    if settings.world_size <= 1 and settings.shard not in OFFLOAD_SHARDS:
         return _Decision(Way.ONE_GPU)
     reason = unavailable_reason(settings)
     if reason is not None:
@@ -542,14 +554,16 @@ def _traced(request: _Request, way: Way) -> Estimate:
     # Counting the operations costs a few per cent of a fake run: only where the predicted
     # time may be needed (the given batch, or every batch of a search).
     card = _speed_card(target, settings) if options.speed else None
-    count = card is not None and target.cuda
+    offload = settings.shard in OFFLOAD_SHARDS
+    count = card is not None and target.cuda and not offload
     one_gpu = FakeSteps(wl, foreach=target.cuda, cuda=target.semantics)
     runner = (
         tracing(wl, settings, foreach=target.cuda, cuda=target.semantics)
         if way is Way.RANKS
         else contextlib.nullcontext(one_gpu)
     )
-    with runner as run:
+    with runner as traced:
+        run = offloaded(traced) if offload else traced
 
         def predict(b: int) -> _Prediction:
             if b not in cache:
@@ -565,8 +579,15 @@ def _traced(request: _Request, way: Way) -> Estimate:
         chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
         prediction = predict(chosen)
         peak, ops = prediction.peak, prediction.ops if count else None
-    step = None
-    if card is not None:
+    step, host, host_time = None, prediction.offload, None
+    if card is not None and host is not None:
+        step, copies, cpu = offload_step_time(wl, settings.replace(micro_batch_size=chosen), card, host.host_parameters)
+        host_time = {
+            "offload_copy_seconds": copies,
+            "cpu_optimizer_seconds": cpu,
+            "host_parameter_bytes": host.host_parameters,
+        }
+    elif card is not None:
         # The fake steps of a simulated GPU run the CPU's optimizer loop (its own
         # accounting); the time is for the card, so step_time records them again in
         # CUDA's foreach form.
@@ -586,6 +607,8 @@ def _traced(request: _Request, way: Way) -> Estimate:
             rank=prediction.rank,
             step=step,
             by_setting=prediction.by_setting,
+            host_memory=host.host_peak if host is not None else None,
+            host_time=host_time,
         )
     )
 
@@ -674,10 +697,11 @@ def _result(shown: _Shown) -> Estimate:
         predicted_seconds_per_step=step.seconds_per_step if step else None,
         predicted_samples_per_second=step.samples_per_second if step else None,
         speed_gpu=step.gpu if step else None,
-        predicted_time=step.to_dict() if step else None,
+        predicted_time={**step.to_dict(), **(shown.host_time or {})} if step else None,
         speed_note="" if step else _no_speed_reason(target, settings),
         allocator=allocator_conf.current().describe(),
         reserved_by_setting=dict(shown.by_setting),
+        host_memory=shown.host_memory,
     )
 
 
