@@ -154,6 +154,8 @@ def command(
     allocator = allocator_line(result)
     if allocator:
         console.print(allocator)
+    if result.host_memory is not None:
+        console.print(offload_line(result))
     speed = speed_line(result)
     if speed:
         console.print(speed)
@@ -247,6 +249,21 @@ def allocator_line(result: Estimate) -> str | None:
             figure += f" ({'saves' if saved >= 0 else 'costs'} {format_size(abs(saved))})"
         parts.append(f"{name}{' (this run)' if name == result.allocator else ''}: {figure}")
     return "Peak reserved under allocator settings: " + "; ".join(parts) + "."
+
+
+def offload_line(result: Estimate) -> str:
+    """What CPU offload keeps on the host, and what its copies and CPU optimizer step cost."""
+    line = (
+        f"CPU offload: the host holds {format_size(result.host_memory or 0)} at most (parameters, gradients, "
+        "optimizer state; the optimizer steps on the CPU)"
+    )
+    time = result.predicted_time or {}
+    if "offload_copy_seconds" in time:
+        line += (
+            f"; per step {_seconds(time['offload_copy_seconds'])} of copies over PCIe and "
+            f"{_seconds(time['cpu_optimizer_seconds'])} of the CPU's optimizer step (in the predicted time below)"
+        )
+    return line + "."
 
 
 def _seconds(value: float) -> str:
