@@ -258,3 +258,27 @@ def test_estimate_shows_reserved_memory_under_each_setting() -> None:
     assert shown["torch's defaults"] == predicted.peak_reserved
     with allocator_conf.use(EXPANDABLE):
         assert shown["expandable_segments:True"] == memfit.measure(GROWING, 700, "sim:160MiB").peak_reserved
+
+
+def test_pytorchs_reproducer_of_reserved_growth_under_split_limit_and_expandable() -> None:
+    """pytorch/pytorch#193400 (issue #123548): a 64 MiB buffer, then per cycle 91 MiB and
+    45.5 MiB allocated, a 2 MiB block kept, the two freed; the published reserved MiB."""
+    published = {0: 220, 20: 2980, 40: 5760, 60: 8520, 80: 11300, 100: 14060}
+
+    def cycles(text: str) -> dict[int, int]:
+        allocator = _model(text)
+        allocator.malloc(64 * MiB)
+        seen = {}
+        for cycle in range(101):
+            a, b = allocator.malloc(91 * MiB), allocator.malloc(int(45.5 * MiB))
+            allocator.malloc(2 * MiB)
+            allocator.free(a)
+            allocator.free(b)
+            if cycle in published:
+                seen[cycle] = allocator.reserved // MiB
+        return seen
+
+    assert cycles("max_split_size_mb:128,expandable_segments:True") == published
+    # "either option on its own keeps reserved under 500 MiB"
+    assert max(cycles("max_split_size_mb:128").values()) < 500
+    assert max(cycles("expandable_segments:True").values()) < 500

@@ -67,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit import distributed
@@ -334,7 +335,7 @@ def _resolve(
     gpu = make_device(device)
     card = speed_card(gpu, speed_gpu)
     usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
-    model = wl.build_model()
+    model = _structure(wl)
     modes = list(checkpointing or checkpointing_modes(model))
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
@@ -352,6 +353,18 @@ def _resolve(
         card=card,
         offload_fallback=strategy_axis[0] is None,
     )
+
+
+def _structure(wl: Workload) -> nn.Module:
+    """The model for its structure only (its blocks, batch norm): built on the meta device,
+    so a 7B model costs no host memory; built as it is where its constructor cannot run there."""
+    if not wl.builds_fresh_models:
+        return wl.build_model()
+    try:
+        with torch.device("meta"):
+            return wl.build_model()
+    except Exception:  # noqa: BLE001 - a constructor computing on its tensors: build it for real
+        return wl.build_model()
 
 
 def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
