@@ -23,9 +23,8 @@ import platform
 import sys
 import time
 
-from _results import write_section
-
 import memfit
+from _results import write_section
 from memfit.estimator.estimate import estimate
 from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.allocator_conf import DEFAULT, parse
