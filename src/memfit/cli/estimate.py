@@ -10,6 +10,8 @@ from rich.table import Table
 from memfit._io import check_writable
 from memfit.cli.options import (
     OutputPath,
+    alloc_conf_option,
+    apply_alloc_conf,
     console,
     json_option,
     make_settings,
@@ -79,6 +81,7 @@ from memfit.units import format_size
     metavar="FILE.pickle",
     help="Also write the step's allocator history for PyTorch's memory viewer (pytorch.org/memory_viz).",
 )
+@alloc_conf_option
 @json_option
 def command(
     workload: str,
@@ -96,6 +99,7 @@ def command(
     shard: str,
     snapshot_path: Path | None,
     shard_group_size: int | None,
+    alloc_conf: str | None,
     as_json: bool,
 ) -> None:
     """Predict the peak GPU memory of WORKLOAD's training step and what takes it.
@@ -112,6 +116,7 @@ def command(
         )
     if snapshot_path is not None:
         check_writable(snapshot_path, "--snapshot")  # before the work, not after it
+    apply_alloc_conf(alloc_conf)
     settings = make_settings(
         precision, checkpointing, accumulation_steps=accumulation_steps, **strategy(world_size, shard, shard_group_size)
     )
@@ -148,6 +153,11 @@ def command(
     if result.top_modules:
         console.print(modules_table(result))
     console.print(summary_line(result))
+    allocator = allocator_line(result)
+    if allocator:
+        console.print(allocator)
+    if result.host_memory is not None:
+        console.print(offload_line(result))
     speed = speed_line(result)
     if speed:
         console.print(speed)
@@ -229,6 +239,35 @@ def summary_line(result: Estimate) -> str:
     if result.max_batch_size is not None:
         line += f" Largest batch that fits: {result.max_batch_size}."
     return line
+
+
+def allocator_line(result: Estimate) -> str | None:
+    """Peak reserved memory under the settings the estimate ran with and the others compared."""
+    if len(result.reserved_by_setting) < 2:
+        return None
+    parts = []
+    for name, reserved in result.reserved_by_setting.items():
+        figure = format_size(reserved) if reserved is not None else "does not fit"
+        if reserved is not None and name != result.allocator:
+            saved = result.peak_reserved - reserved
+            figure += f" ({'saves' if saved >= 0 else 'costs'} {format_size(abs(saved))})"
+        parts.append(f"{name}{' (this run)' if name == result.allocator else ''}: {figure}")
+    return "Peak reserved under allocator settings: " + "; ".join(parts) + "."
+
+
+def offload_line(result: Estimate) -> str:
+    """What CPU offload keeps on the host, and what its copies and CPU optimizer step cost."""
+    line = (
+        f"CPU offload: the host holds {format_size(result.host_memory or 0)} at most (parameters, gradients, "
+        "optimizer state; the optimizer steps on the CPU)"
+    )
+    time = result.predicted_time or {}
+    if "offload_copy_seconds" in time:
+        line += (
+            f"; per step {_seconds(time['offload_copy_seconds'])} of copies over PCIe and "
+            f"{_seconds(time['cpu_optimizer_seconds'])} of the CPU's optimizer step (in the predicted time below)"
+        )
+    return line + "."
 
 
 def _seconds(value: float) -> str:

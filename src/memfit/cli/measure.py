@@ -8,6 +8,8 @@ import click
 from rich.table import Table
 
 from memfit.cli.options import (
+    alloc_conf_option,
+    apply_alloc_conf,
     console,
     device_options,
     json_option,
@@ -32,6 +34,7 @@ from memfit.workload import load_workload
 @click.option("--steps", type=click.IntRange(min=1), default=2, show_default=True, help="Optimizer steps to run.")
 @settings_options
 @strategy_options
+@alloc_conf_option
 @json_option
 def command(
     workload: str,
@@ -44,6 +47,7 @@ def command(
     world_size: int,
     shard: str,
     shard_group_size: int | None,
+    alloc_conf: str | None,
     as_json: bool,
 ) -> None:
     """Run STEPS optimizer steps of WORKLOAD at one batch size; report peak memory and time.
@@ -53,6 +57,7 @@ def command(
     device; rank 0 prints its figures, every rank's and the largest over the ranks.
     """
     settings = make_settings(precision, checkpointing, **strategy(world_size, shard, shard_group_size))
+    apply_alloc_conf(alloc_conf)
     ranks = _ranks_in_group()
     if world_size > 1 and ranks != world_size:
         where = f"{ranks} processes" if ranks > 1 else "one process"

@@ -208,6 +208,32 @@ def strategy_options(function: F) -> F:
     )(function)
 
 
+def alloc_conf_option(function: F) -> F:
+    """--alloc-conf: the caching allocator's settings, as PYTORCH_CUDA_ALLOC_CONF takes them."""
+    return click.option(
+        "--alloc-conf",
+        default=None,
+        metavar="SETTINGS",
+        help="Allocator settings as PYTORCH_CUDA_ALLOC_CONF takes them (expandable_segments:True, "
+        "max_split_size_mb:N, garbage_collection_threshold:F, roundup_power2_divisions:N); "
+        "default: the variable's.",
+    )(function)
+
+
+def apply_alloc_conf(text: str | None) -> None:
+    """Check --alloc-conf (one line, exit 2, before any work) and make it this process's
+    PYTORCH_CUDA_ALLOC_CONF: the simulated GPU, the estimator, a child process and a real
+    GPU (whose allocator reads the variable when CUDA starts) then all follow it."""
+    if text is None:
+        return
+    import os
+
+    from memfit.memory.allocator_conf import parse
+
+    parse(text)
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = text
+
+
 def json_option(function: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")(function)
 

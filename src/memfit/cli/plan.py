@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     "speed_gpu",
     default=None,
     metavar="NAME",
-    help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM).",
+    help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM); "
+    "without a CUDA GPU and --device, also plan for its memory (--device sim:NAME).",
 )
 @trials_option
 @json_option
@@ -88,6 +89,8 @@ def command(
     if plot:
         check_writable(plot, "--plot")  # before the candidates run, not after them
     wl = load_workload(workload)
+    if device_spec == "auto" and speed_gpu is not None and memory is None and not _has_cuda():
+        device_spec = f"sim:{speed_gpu}"  # the card named is the one planned for
     gpu = device(device_spec, memory=memory)
 
     def progress(c: Candidate) -> None:
@@ -120,6 +123,12 @@ def command(
         print_json(result.to_dict())
         return
     print_plan(result)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def write_plot(result: Plan, path: str) -> None:

@@ -69,6 +69,7 @@ from memfit.estimator.fake import FakeRun, FakeSteps, Runner
 from memfit.memory.tracker import labelled
 from memfit.run.parallel import COMMUNICATION, UNSHARDED, fake_process_group
 from memfit.run.settings import Settings
+from memfit.run.strategy import FSDP_SHARDS, OFFLOAD_SHARDS
 from memfit.workload import Workload, load_workload
 
 __all__ = [
@@ -91,7 +92,7 @@ class TraceUnavailable(MemfitError):
 
 def unavailable_reason(settings: Settings) -> str | None:
     """Why ``settings``' strategy cannot be traced in this PyTorch, or None when it can."""
-    if settings.world_size <= 1:
+    if settings.world_size <= 1 and settings.shard not in OFFLOAD_SHARDS:
         return None
     if not dist.is_available():
         return "this PyTorch build has no torch.distributed"
@@ -99,7 +100,7 @@ def unavailable_reason(settings: Settings) -> str | None:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     except ImportError:
         return "this PyTorch has no fake process group (torch.testing._internal.distributed.fake_pg)"
-    if settings.shard in ("gradients", "full"):
+    if settings.shard in FSDP_SHARDS:
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError:
@@ -343,7 +344,7 @@ def tracing(
         TraceUnavailable: tracing cannot run here (see :func:`unavailable_reason`), or
             this process is already in a process group.
     """
-    if settings.world_size <= 1:
+    if settings.world_size <= 1 and settings.shard not in OFFLOAD_SHARDS:
         raise ValueError("tracing is for several ranks: one GPU's steps are memfit.estimator.fake.FakeSteps")
     reason = unavailable_reason(settings)
     if reason is not None:

@@ -73,14 +73,16 @@ from memfit.estimator.distributed_trace import (
     unavailable_reason,
 )
 from memfit.estimator.fake import FakeSteps, Runner
+from memfit.estimator.offload import OffloadRun, offload_step_time, offloaded
 from memfit.estimator.speed import speed_gpu, step_time
 from memfit.estimator.timing import OpTrace, StepTime
-from memfit.memory.allocator import CachingAllocatorModel
+from memfit.memory import allocator_conf
+from memfit.memory.allocator import CachingAllocatorModel, replay_reserved
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
 from memfit.run.settings import Settings
-from memfit.run.strategy import Shard, check_strategy, describe
+from memfit.run.strategy import OFFLOAD_SHARDS, Shard, check_strategy, describe
 from memfit.units import format_size, parse_size
 from memfit.workload import Workload, load_workload
 
@@ -226,6 +228,12 @@ class Estimate(HtmlRepr):
     speed_note: str = ""
     #: "estimated as eager: ..." when the workload is torch.compile'd (see memfit.estimator.compiled)
     compile_note: str = ""
+    #: the allocator settings the figures are for (PYTORCH_CUDA_ALLOC_CONF, or "torch's defaults")
+    allocator: str = "torch's defaults"
+    #: peak reserved bytes of the same step under other allocator settings (None: does not fit)
+    reserved_by_setting: dict[str, int | None] = field(default_factory=dict)
+    #: under CPU offload: the most host memory the step holds (None: no offload)
+    host_memory: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -288,6 +296,8 @@ class _Prediction:
         #: the allocator model's peak reserved bytes of the budgeted run (what the search needs)
         self.peak_reserved = self._run.peak_reserved
         self._peak: Peak | None = None
+        #: peak reserved under each allocator setting shown (filled with the breakdown)
+        self.by_setting: dict[str, int | None] = {}
 
     @property
     def ops(self) -> OpTrace | None:
@@ -304,6 +314,7 @@ class _Prediction:
                 self._run = self._runner(self._settings, None, self._count_ops)
                 self._budget = None
             self._peak = analyze(self._run.events, budget=self._budget)
+            self.by_setting = _by_setting(self._run.events, self._budget, self._peak.peak_reserved)
             self._run.events = []  # the replay is done: let the events go
         return self._peak
 
@@ -313,10 +324,27 @@ class _Prediction:
         return self._run.compile_note
 
     @property
+    def offload(self) -> OffloadRun | None:
+        """The run shown, when the step offloads to the host (its host figures)."""
+        self.peak  # noqa: B018  (the run shown)
+        return self._run if isinstance(self._run, OffloadRun) else None
+
+    @property
     def rank(self) -> int:
         """The rank whose run this is (the heaviest traced; 0 on one GPU)."""
         self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
         return self._run.rank
+
+
+def _by_setting(events: list[Any], budget: int | None, reserved: int) -> dict[str, int | None]:
+    """The step's peak reserved memory under the settings it ran with and under the ones
+    worth comparing (torch's defaults, expandable segments): the same events replayed."""
+    current = allocator_conf.current()
+    shown: dict[str, int | None] = {current.describe(): reserved}
+    for other in allocator_conf.COMPARED:
+        if other.describe() not in shown:
+            shown[other.describe()] = replay_reserved(events, budget, other)
+    return shown
 
 
 class Way(enum.Enum):
@@ -347,6 +375,8 @@ class _Options:
     search: bool
     search_limit: int | None
     speed: bool
+    #: the allocator settings to follow (None: this process's PYTORCH_CUDA_ALLOC_CONF)
+    alloc_conf: str | None = None
 
 
 @dataclass(frozen=True)
@@ -384,6 +414,10 @@ class _Shown:
     note: str = ""
     step: StepTime | None = None
     compile_note: str = ""
+    by_setting: dict[str, int | None] = field(default_factory=dict)
+    host_memory: int | None = None
+    #: under offload: seconds of the host copies and of the CPU's optimizer step
+    host_time: dict[str, float] | None = None
 
 
 def estimate(
@@ -402,6 +436,7 @@ def estimate(
     search: bool | None = None,
     search_limit: int | None = None,
     speed: bool = True,
+    alloc_conf: str | None = None,
 ) -> Estimate:
     """Predict peak memory and its breakdown at ``batch_size`` on a target (see the module).
 
@@ -437,6 +472,8 @@ def estimate(
             search ends at once).
         speed: also predict the step time on the target's card (``gpu``, or the
             simulated GPU's card; see :mod:`memfit.estimator.timing`; one GPU only).
+        alloc_conf: the caching allocator's settings, as ``PYTORCH_CUDA_ALLOC_CONF`` takes
+            them (``"expandable_segments:True"``; default: this process's variable).
     """
     wl = load_workload(workload)
     settings = _with_strategy(settings or Settings(), world_size, shard, shard_group_size)
@@ -445,7 +482,9 @@ def estimate(
     target = resolve_target(gpu, memory, device, fixed_costs, cuda_version)
     if settings.precision == "bf16" and not target.bf16:
         raise MemfitError(f"{target.name} does not support bf16: use --precision fp16 or fp32")
-    options = _Options(batch_size, batch_size is None if search is None else search, search_limit, speed)
+    if alloc_conf is not None:
+        allocator_conf.parse(alloc_conf)  # refused here, before any run
+    options = _Options(batch_size, batch_size is None if search is None else search, search_limit, speed, alloc_conf)
     return _estimate(_Request(wl, settings, target, options))
 
 
@@ -466,7 +505,14 @@ def _with_strategy(settings: Settings, world_size: int | None, shard: Shard | No
 
 
 def _estimate(request: _Request) -> Estimate:
-    """The one decision (how the step is traced), then that way down."""
+    """The one decision (how the step is traced), then that way down, under the allocator
+    settings asked for (every allocator model made inside follows them)."""
+    text = request.options.alloc_conf
+    with allocator_conf.use(text) if text is not None else contextlib.nullcontext():
+        return _estimate_as_set(request)
+
+
+def _estimate_as_set(request: _Request) -> Estimate:
     decision = _decide(request)
     if decision.way is Way.IN_CHILD:
         try:
@@ -482,7 +528,7 @@ def _decide(request: _Request) -> _Decision:
     """How this process traces the step: one GPU, one rank of N here, in a separate
     process (this one is in a real process group: torchrun, Lightning), or formulas."""
     settings, wl = request.settings, request.workload
-    if settings.world_size <= 1:
+    if settings.world_size <= 1 and settings.shard not in OFFLOAD_SHARDS:
         return _Decision(Way.ONE_GPU)
     reason = unavailable_reason(settings)
     if reason is not None:
@@ -516,14 +562,16 @@ def _traced(request: _Request, way: Way) -> Estimate:
     # Counting the operations costs a few per cent of a fake run: only where the predicted
     # time may be needed (the given batch, or every batch of a search).
     card = _speed_card(target, settings) if options.speed else None
-    count = card is not None and target.cuda
+    offload = settings.shard in OFFLOAD_SHARDS
+    count = card is not None and target.cuda and not offload
     one_gpu = FakeSteps(wl, foreach=target.cuda, cuda=target.semantics)
     runner = (
         tracing(wl, settings, foreach=target.cuda, cuda=target.semantics)
         if way is Way.RANKS
         else contextlib.nullcontext(one_gpu)
     )
-    with runner as run:
+    with runner as traced:
+        run = offloaded(traced) if offload else traced
 
         def predict(b: int) -> _Prediction:
             if b not in cache:
@@ -539,8 +587,15 @@ def _traced(request: _Request, way: Way) -> Estimate:
         chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
         prediction = predict(chosen)
         peak, ops = prediction.peak, prediction.ops if count else None
-    step = None
-    if card is not None:
+    step, host, host_time = None, prediction.offload, None
+    if card is not None and host is not None:
+        step, copies, cpu = offload_step_time(wl, settings.replace(micro_batch_size=chosen), card, host.host_parameters)
+        host_time = {
+            "offload_copy_seconds": copies,
+            "cpu_optimizer_seconds": cpu,
+            "host_parameter_bytes": host.host_parameters,
+        }
+    elif card is not None:
         # The fake steps of a simulated GPU run the CPU's optimizer loop (its own
         # accounting); the time is for the card, so step_time records them again in
         # CUDA's foreach form.
@@ -560,6 +615,9 @@ def _traced(request: _Request, way: Way) -> Estimate:
             rank=prediction.rank,
             step=step,
             compile_note=prediction.compile_note,
+            by_setting=prediction.by_setting,
+            host_memory=host.host_peak if host is not None else None,
+            host_time=host_time,
         )
     )
 
@@ -650,9 +708,12 @@ def _result(shown: _Shown) -> Estimate:
         predicted_seconds_per_step=step.seconds_per_step if step else None,
         predicted_samples_per_second=step.samples_per_second if step else None,
         speed_gpu=step.gpu if step else None,
-        predicted_time=step.to_dict() if step else None,
+        predicted_time={**step.to_dict(), **(shown.host_time or {})} if step else None,
         speed_note="" if step else _no_speed_reason(target, settings),
         compile_note=shown.compile_note,
+        allocator=allocator_conf.current().describe(),
+        reserved_by_setting=dict(shown.by_setting),
+        host_memory=shown.host_memory,
     )
 
 

@@ -32,14 +32,17 @@ True
 
 from __future__ import annotations
 
-import bisect
 import collections
 import itertools
 import pickle
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from memfit.memory.allocator_blocks import Block, Frames, FreePool, Segment
+from memfit.memory.allocator_conf import AllocatorConfig, round_request
+from memfit.memory.allocator_conf import current as current_config
+from memfit.memory.expandable import ExpandableSegments
 from memfit.units import MiB
 
 __all__ = [
@@ -53,6 +56,7 @@ __all__ = [
     "SNAPSHOT_BASE_ADDRESS",
     "SNAPSHOT_PICKLE_PROTOCOL",
     "snapshot_bytes",
+    "replay_reserved",
     "MIN_BLOCK_SIZE",
     "SMALL_SIZE",
     "SMALL_BUFFER",
@@ -74,10 +78,6 @@ SNAPSHOT_BASE_ADDRESS = 0x7F00_0000_0000
 
 #: the pickle protocol of a written snapshot: the memory viewer's own unpickler reads 2 to 4
 SNAPSHOT_PICKLE_PROTOCOL = 4
-
-#: where an allocation was made, as PyTorch's memory viewer shows it: a list of
-#: ``{"filename", "line", "name"}`` dicts, innermost first
-Frames = list[dict[str, Any]]
 
 
 def round_size(nbytes: int) -> int:
@@ -109,6 +109,31 @@ def should_split(block_size: int, rounded: int, small: bool) -> bool:
     return remaining > SMALL_SIZE
 
 
+def replay_reserved(events: Iterable[Sequence[Any]], budget: int | None, config: AllocatorConfig) -> int | None:
+    """The peak reserved memory of recorded allocations and frees under ``config``, or None
+    when they do not fit in ``budget``.
+
+    Why a replay: the order of allocations and frees does not depend on the allocator's
+    settings, so one recorded step answers "how much would each setting reserve" exactly.
+
+    Args:
+        events: ``("alloc", handle, nbytes, ...)`` and ``("free", handle, ...)`` in order.
+        budget: the memory the allocator may reserve (None: no limit).
+        config: the allocator settings to replay under.
+    """
+    allocator = CachingAllocatorModel(budget=budget, config=config)
+    handles: dict[int, int] = {}
+    try:
+        for event in events:
+            if event[0] == "alloc":
+                handles[event[1]] = allocator.malloc(event[2])
+            else:
+                allocator.free(handles.pop(event[1]))
+    except AllocationFailed:
+        return None
+    return allocator.stats()["reserved_bytes.all.peak"]
+
+
 def snapshot_bytes(snapshot: dict[str, Any]) -> bytes:
     """A snapshot pickled as ``torch.cuda.memory._dump_snapshot`` writes it (protocol 4)."""
     return pickle.dumps(snapshot, protocol=SNAPSHOT_PICKLE_PROTOCOL)
@@ -124,66 +149,73 @@ class AllocationFailed(Exception):
         self.budget = budget
 
 
-@dataclass(eq=False)
-class _Segment:
-    address: int
-    size: int
-    small: bool
-    blocks: list[_Block] = field(default_factory=list)  # in address order
+def _mapped_runs(segment: Segment) -> list[list[Block]]:
+    """The blocks of a segment as the snapshot shows them: one segment per stretch of mapped
+    blocks (a cudaMalloc'ed segment is one stretch)."""
+    runs: list[list[Block]] = [[]]
+    for block in segment.blocks:
+        if block.mapped:
+            runs[-1].append(block)
+        elif runs[-1]:
+            runs.append([])
+    return [run for run in runs if run]
 
 
-@dataclass(eq=False)
-class _Block:
-    address: int
-    size: int
-    segment: _Segment
-    allocated: bool = False
-    requested: int = 0
-    frames: Frames | None = None  # kept only while the history is recorded
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
-
-
-class _FreePool:
-    """Cached free blocks of one pool, sorted by (size, address) for best-fit lookup."""
-
-    def __init__(self) -> None:
-        self._keys: list[tuple[int, int]] = []
-        self._blocks: dict[tuple[int, int], _Block] = {}
-
-    def add(self, block: _Block) -> None:
-        bisect.insort(self._keys, block.key)
-        self._blocks[block.key] = block
-
-    def remove(self, block: _Block) -> None:
-        index = bisect.bisect_left(self._keys, block.key)
-        del self._keys[index]
-        del self._blocks[block.key]
-
-    def best_fit(self, rounded: int) -> _Block | None:
-        index = bisect.bisect_left(self._keys, (rounded, -1))
-        if index == len(self._keys):
-            return None
-        return self._blocks[self._keys[index]]
+def _segment_dict(small: bool, expandable: bool, blocks: list[Block]) -> dict[str, Any]:
+    """One segment of ``torch.cuda.memory._snapshot()``, addresses from :data:`SNAPSHOT_BASE_ADDRESS`."""
+    base = SNAPSHOT_BASE_ADDRESS
+    allocated = sum(block.size for block in blocks if block.allocated)
+    return {
+        "device": 0,
+        "address": base + blocks[0].address,
+        "total_size": sum(block.size for block in blocks),
+        "allocated_size": allocated,
+        "active_size": allocated,
+        "requested_size": sum(block.requested for block in blocks if block.allocated),
+        "stream": 0,
+        "segment_type": "small" if small else "large",
+        "segment_pool_id": (0, 0),
+        "is_expandable": expandable,
+        "frames": [],
+        "blocks": [
+            {
+                "address": base + block.address,
+                "size": block.size,
+                "requested_size": block.requested if block.allocated else 0,
+                "state": "active_allocated" if block.allocated else "inactive",
+                "frames": list(block.frames or []) if block.allocated else [],
+            }
+            for block in blocks
+        ],
+    }
 
 
-class CachingAllocatorModel:
+class CachingAllocatorModel(ExpandableSegments):
     """The caching allocator's bookkeeping, with an optional budget on reserved memory.
 
     ``malloc`` returns a handle (an int) to pass to ``free``; it raises
     :class:`AllocationFailed` when the request cannot be served within ``budget``.
     ``stats()`` uses ``torch.cuda.memory_stats()`` key names. Thread-safe: tensors can be
-    freed from the autograd engine's threads.
+    freed from the autograd engine's threads. ``config`` is the allocator's settings
+    (:mod:`memfit.memory.allocator_conf`; default: :func:`~memfit.memory.allocator_conf.current`,
+    the ``PYTORCH_CUDA_ALLOC_CONF`` of this process).
+
+    The ``budget`` is the card's memory: a new segment (or, with expandable segments, the
+    pages a request maps) fails past it. With ``per_process_memory_fraction`` the allocator
+    may reserve only that share of it, checked as PyTorch checks a fraction: before each
+    ``cudaMalloc``, on the segment size the request would get.
     """
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(self, budget: int | None = None, config: AllocatorConfig | None = None) -> None:
         self.budget = budget
+        self.config = config if config is not None else current_config()
+        fraction = self.config.per_process_memory_fraction
+        #: what the allocator may reserve under a memory fraction (None: no fraction set)
+        self.allowed = None if fraction is None or budget is None else int(fraction * budget)
         self._lock = threading.RLock()
-        self._pools = {True: _FreePool(), False: _FreePool()}
-        self._segments: list[_Segment] = []
-        self._live: dict[int, _Block] = {}
+        self._pools = {True: FreePool(), False: FreePool()}
+        self._segments: list[Segment] = []
+        self._live: dict[int, Block] = {}
         self._handles = itertools.count(1)
         self._next_address = 0
         self._counters: dict[str, int] = {
@@ -210,18 +242,18 @@ class CachingAllocatorModel:
         ``frames`` says where the request came from, for the recorded history.
         """
         with self._lock:
-            rounded = round_size(nbytes)
+            rounded = round_request(nbytes, self.config)
             small = is_small(rounded)
-            block = self._pools[small].best_fit(rounded)
+            block = self._free_block(rounded, small)
             if block is None:
-                try:
-                    block = self._new_segment_block(rounded, small)
-                except AllocationFailed:
+                if self._collecting:
+                    self._garbage_collect()
+                block = self._new_block(rounded, small)
+                if block is None:
+                    self._counters["num_ooms"] += 1
                     self._record("oom", (self.budget or 0) - self.reserved, rounded, frames)
-                    raise
-            else:
-                self._pools[small].remove(block)
-            if should_split(block.size, rounded, small):
+                    raise AllocationFailed(rounded, self.stats(), self.budget or 0)
+            if self._should_split(block, rounded):
                 self._split(block, rounded)
             block.allocated = True
             block.requested = nbytes
@@ -247,7 +279,10 @@ class CachingAllocatorModel:
             block.frames = None
             self._add("allocated", -block.size)
             self._add("requested", -block.requested)
-            block = self._merge_with_free_neighbours(block)
+            for neighbour in self._neighbours(block):
+                if self._mergeable(neighbour, block):
+                    self._pools[block.segment.small].remove(neighbour)
+                    self._absorb(block, neighbour)
             self._pools[block.segment.small].add(block)
 
     def record_history(self, enabled: bool = True, max_entries: int = 100_000) -> None:
@@ -269,35 +304,11 @@ class CachingAllocatorModel:
         """
         base = SNAPSHOT_BASE_ADDRESS
         with self._lock:
-            segments = []
-            for segment in sorted(self._segments, key=lambda seg: seg.address):
-                blocks = [
-                    {
-                        "address": base + block.address,
-                        "size": block.size,
-                        "requested_size": block.requested if block.allocated else 0,
-                        "state": "active_allocated" if block.allocated else "inactive",
-                        "frames": list(block.frames or []) if block.allocated else [],
-                    }
-                    for block in segment.blocks
-                ]
-                allocated = sum(block.size for block in segment.blocks if block.allocated)
-                segments.append(
-                    {
-                        "device": 0,
-                        "address": base + segment.address,
-                        "total_size": segment.size,
-                        "allocated_size": allocated,
-                        "active_size": allocated,
-                        "requested_size": sum(block.requested for block in segment.blocks if block.allocated),
-                        "stream": 0,
-                        "segment_type": "small" if segment.small else "large",
-                        "segment_pool_id": (0, 0),
-                        "is_expandable": False,
-                        "frames": [],
-                        "blocks": blocks,
-                    }
-                )
+            segments = [
+                _segment_dict(segment.small, bool(segment.page), run)
+                for segment in sorted(self._segments, key=lambda seg: seg.address)
+                for run in _mapped_runs(segment)
+            ]
             trace = [dict(entry) for entry in self._trace] if self._trace is not None else []
         for entry in trace:
             if entry["action"] != "oom":
@@ -305,9 +316,10 @@ class CachingAllocatorModel:
         return {"segments": segments, "device_traces": [trace]}
 
     def empty_cache(self) -> None:
-        """Release every cached segment that holds no allocated block (``torch.cuda.empty_cache``)."""
+        """Release every cached segment that holds no allocated block (``torch.cuda.empty_cache``);
+        with expandable segments, unmap every free page."""
         with self._lock:
-            self._release_free_segments()
+            self._release_cached()
 
     def reset_peak(self) -> None:
         """Set every peak to its current value (``torch.cuda.reset_peak_memory_stats``)."""
@@ -329,7 +341,7 @@ class CachingAllocatorModel:
                 "requested_bytes.all.current": c["requested"],
                 "requested_bytes.all.peak": c["requested_peak"],
                 "inactive_split_bytes.all.current": self._inactive_split_bytes(),
-                "segment.all.current": len(self._segments),
+                "segment.all.current": sum(1 for segment in self._segments if not segment.page),
                 "allocation.all.current": len(self._live),
                 "allocation.all.allocated": c["allocation_count"],
                 "num_alloc_retries": c["num_alloc_retries"],
@@ -351,33 +363,142 @@ class CachingAllocatorModel:
     def reserved(self) -> int:
         return self._counters["reserved"]
 
-    # -- the allocator's rules -------------------------------------------------------
+    # -- finding a cached block (get_free_block) -------------------------------------
 
-    def _new_segment_block(self, rounded: int, small: bool) -> _Block:
-        """cudaMalloc a new segment; on failure release cached segments and retry once."""
+    @property
+    def _collecting(self) -> bool:
+        """Garbage collection runs only under a memory fraction (PyTorch's ``set_fraction``)."""
+        return self.allowed is not None and self.config.garbage_collection_threshold > 0.0
+
+    def _free_block(self, rounded: int, small: bool) -> Block | None:
+        """The cached block a request takes, removed from its pool; None when none may serve it."""
+        pool = self._pools[small]
+        if self._collecting:
+            pool.calls += 1
+        candidates = pool.from_size(rounded)
+        if not candidates:
+            return None
+        index = 0
+        if candidates[0].segment.page and self.config.expandable_segments:
+            # Best fit by the size a block can grow to: a block before unmapped space
+            # counts that space too, so a block that cannot grow may be taken first.
+            while (
+                candidates[index].segment.page
+                and index + 1 < len(candidates)
+                and self._growable(candidates[index + 1]) < self._growable(candidates[index])
+            ):
+                index += 1
+        block = candidates[index]
+        limit = self.config.max_split_size
+        if limit is not None and rounded < limit <= block.size:
+            return None  # an oversize block is kept for oversize requests
+        if limit is not None and rounded >= limit and block.size >= rounded + self.config.max_non_split_rounding:
+            return None
+        pool.remove(block)
+        return block
+
+    def _growable(self, block: Block) -> int:
+        following = self._next_of(block)
+        return block.size + (following.size if following is not None and not following.mapped else 0)
+
+    def _should_split(self, block: Block, rounded: int) -> bool:
+        remaining = block.size - rounded
+        if block.segment.small or self.config.expandable_segments:
+            return remaining >= MIN_BLOCK_SIZE
+        limit = self.config.max_split_size
+        return (limit is None or rounded < limit) and remaining > SMALL_SIZE
+
+    # -- new memory (alloc_block), and giving it back ---------------------------------
+
+    def _new_block(self, rounded: int, small: bool) -> Block | None:
+        """New memory for a request: a segment (or mapped pages), then after releasing
+        oversize cached blocks, then after releasing every cached one (a retry)."""
+        block = self._alloc_block(rounded, small)
+        if block is None and self._release_oversize(rounded, small):
+            block = self._alloc_block(rounded, small)
+        if block is None:
+            self._counters["num_alloc_retries"] += 1
+            self._release_cached()
+            block = self._alloc_block(rounded, small)
+        return block
+
+    def _alloc_block(self, rounded: int, small: bool) -> Block | None:
         size = segment_size(rounded)
-        if self._fits(size):
-            return self._allocate_segment(size, small)
-        self._counters["num_alloc_retries"] += 1
-        self._release_free_segments()
-        if self._fits(size):
-            return self._allocate_segment(size, small)
-        self._counters["num_ooms"] += 1
-        raise AllocationFailed(rounded, self.stats(), self.budget or 0)
+        if self.allowed is not None and self.reserved + size > self.allowed:
+            return None
+        if self.config.expandable_segments:
+            return self._expandable_block(rounded, small)
+        if self.budget is not None and self.reserved + size > self.budget:
+            return None
+        return self._allocate_segment(size, small)
 
-    def _fits(self, segment: int) -> bool:
-        return self.budget is None or self._counters["reserved"] + segment <= self.budget
-
-    def _allocate_segment(self, size: int, small: bool) -> _Block:
-        segment = _Segment(address=self._next_address, size=size, small=small)
+    def _allocate_segment(self, size: int, small: bool) -> Block:
+        segment = Segment(address=self._next_address, size=size, small=small)
         self._next_address += size
-        block = _Block(address=segment.address, size=size, segment=segment)
+        block = Block(address=segment.address, size=size, segment=segment)
         segment.blocks.append(block)
         self._segments.append(segment)
         self._add("reserved", size)
         self._counters["num_device_alloc"] += 1
         self._record("segment_alloc", segment.address, size)
         return block
+
+    def _release_oversize(self, rounded: int, small: bool) -> bool:
+        """``release_available_cached_blocks``: with a split limit, free one cached oversize
+        segment large enough, or the largest ones until enough is freed."""
+        limit = self.config.max_split_size
+        if limit is None:
+            return False
+        pool, wanted = self._pools[small], max(rounded, limit)
+        whole = [block for block in pool.blocks() if block.whole_segment and not block.segment.page]
+        large_enough = [block for block in whole if block.size >= wanted]
+        if large_enough:
+            self._release_segment(large_enough[0])
+            return True
+        released = 0
+        for block in reversed(whole):
+            if released >= wanted or block.size < limit:
+                break
+            released += block.size
+            self._release_segment(block)
+        return released >= wanted
+
+    def _release_cached(self) -> None:
+        """``release_cached_blocks``: free every cached whole segment, unmap free pages."""
+        for small in (False, True):
+            pool = self._pools[small]
+            for block in pool.blocks():
+                if block.segment.page:
+                    self._unmap(block)
+                elif block.whole_segment:
+                    self._release_segment(block)
+
+    def _release_segment(self, block: Block) -> None:
+        segment = block.segment
+        self._pools[segment.small].remove(block)
+        self._segments.remove(segment)
+        self._add("reserved", -segment.size)
+        self._counters["num_device_free"] += 1
+        self._record("segment_free", segment.address, segment.size)
+
+    def _garbage_collect(self) -> None:
+        """Release cached whole large segments, oldest first, while reserved memory is past
+        ``garbage_collection_threshold`` of the allowed memory (a pass per average age)."""
+        threshold = int(self.config.garbage_collection_threshold * (self.allowed or 0))
+        if self.reserved <= threshold:
+            return
+        target, reclaimed = self.reserved - threshold, 0
+        pool = self._pools[False]
+        freeable = [block for block in pool.blocks() if block.whole_segment and not block.segment.page]
+        total_age = sum(pool.calls - block.gc_base for block in freeable)
+        count, freed = len(freeable), True
+        while reclaimed < target and freed and count > 0:
+            average, freed = total_age / count, False
+            for block in [block for block in pool.blocks() if block.whole_segment and not block.segment.page]:
+                age = pool.calls - block.gc_base
+                if age >= average:
+                    freed, reclaimed, total_age, count = True, reclaimed + block.size, total_age - age, count - 1
+                    self._release_segment(block)
 
     def _record(self, action: str, address: int, size: int, frames: Frames | None = None) -> None:
         """Append one action to the trace, when recording (an OOM's address is the free memory)."""
@@ -390,46 +511,18 @@ class CachingAllocatorModel:
             entry["addr"] = address
         self._trace.append(entry)
 
-    def _split(self, block: _Block, rounded: int) -> None:
-        rest = _Block(address=block.address + rounded, size=block.size - rounded, segment=block.segment)
+    def _split(self, block: Block, rounded: int) -> None:
+        rest = Block(address=block.address + rounded, size=block.size - rounded, segment=block.segment)
         block.size = rounded
         blocks = block.segment.blocks
         blocks.insert(blocks.index(block) + 1, rest)
         self._pools[block.segment.small].add(rest)
 
-    def _merge_with_free_neighbours(self, block: _Block) -> _Block:
-        blocks = block.segment.blocks
-        index = blocks.index(block)
-        pool = self._pools[block.segment.small]
-        if index + 1 < len(blocks) and not blocks[index + 1].allocated:
-            after = blocks.pop(index + 1)
-            pool.remove(after)
-            block.size += after.size
-        if index > 0 and not blocks[index - 1].allocated:
-            before = blocks[index - 1]
-            pool.remove(before)
-            before.size += block.size
-            blocks.pop(index)
-            block = before
-        return block
-
-    def _release_free_segments(self) -> None:
-        kept = []
-        for segment in self._segments:
-            if len(segment.blocks) == 1 and not segment.blocks[0].allocated:
-                self._pools[segment.small].remove(segment.blocks[0])
-                self._add("reserved", -segment.size)
-                self._counters["num_device_free"] += 1
-                self._record("segment_free", segment.address, segment.size)
-            else:
-                kept.append(segment)
-        self._segments = kept
-
     def _inactive_split_bytes(self) -> int:
         return sum(
             block.size
             for segment in self._segments
-            if len(segment.blocks) > 1
+            if len(segment.blocks) > 1 and not segment.page  # PyTorch leaves expandable ones out
             for block in segment.blocks
             if not block.allocated
         )

@@ -17,7 +17,13 @@ user trains are the same objects.
                forward to backward, as ZeRO-2)                              unit from forward to backward
 ``full``       everything: FSDP2 ``fully_shard`` (ZeRO-3)                   P/N + G/N + O/N, and one or
                                                                             two units' full parameters
+``offload``    everything, kept on the host: FSDP2 ``fully_shard`` with     one or two units' full
+               ``CPUOffloadPolicy`` (the optimizer steps on the CPU)       parameters; P/N + G/N + O/N
+                                                                            in host memory
 =============  ===========================================================  =========================
+
+``offload`` applies to one GPU too (``world_size=1``: FSDP2 over a process group of one
+rank), the usual way to train a model whose states do not fit on the card.
 
 In bf16 or fp16 FSDP2 gets its mixed-precision policy (``MixedPrecisionPolicy``: full
 parameters gathered in the half dtype, gradients reduced in fp32), as FSDP2 is set up for
@@ -55,8 +61,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.errors import MemfitError
+from memfit.memory.devices import SimDevice
 from memfit.memory.tracker import labelled
-from memfit.run.strategy import SHARDS, Shard, check_strategy, component, describe
+from memfit.run.strategy import OFFLOAD_SHARDS, SHARDS, Shard, check_strategy, component, describe
 
 #: the breakdown's names for DDP's and FSDP2's own memory (``Labels.role``)
 COMMUNICATION = "communication buffers"
@@ -77,6 +84,7 @@ __all__ = [
     "is_fake_group",
     "clear_meshes",
     "fake_process_group",
+    "check_offload_device",
     "collective_internals_untracked",
     "COMMUNICATION",
     "UNSHARDED",
@@ -171,7 +179,7 @@ class Parallel:
 
     @property
     def wrapped(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.shard in OFFLOAD_SHARDS
 
     def optimizer(
         self, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -216,11 +224,11 @@ def parallelize(
             training in half precision is set up; DDP leaves precision to autocast.
     """
     check_strategy(shard, world_size, group_size)
-    if world_size <= 1:
+    if world_size <= 1 and shard not in OFFLOAD_SHARDS:
         return Parallel(model, shard, 1)
-    world = group_world_size()
+    world = group_world_size() if dist.is_available() and dist.is_initialized() else 0
     if world != world_size:
-        where = f"a process group of {world}" if world > 1 else "no process group"
+        where = f"a process group of {world}" if world else "no process group"
         raise MemfitError(
             f"the settings are for {world_size} ranks but this process is in {where}: "
             f"launch with torchrun --nproc-per-node {world_size}"
@@ -232,6 +240,20 @@ def parallelize(
         model, shard=shard, units=units, world=world, group_size=group_size, precision=precision, device_type=where
     )
     return Parallel(model, shard, world, group_size)
+
+
+def check_offload_device(shard: str, device: object) -> None:
+    """Refuse CPU offload on a simulated GPU outside the estimator's trace (one line).
+
+    Why: on the CPU the host's tensors and the simulated GPU's are the same memory, so a
+    real run there would count the host's states against the GPU; the estimator's trace
+    (on the fake process group) places them apart (:mod:`memfit.estimator.offload`).
+    """
+    if shard in OFFLOAD_SHARDS and isinstance(device, SimDevice) and not is_fake_group():
+        raise MemfitError(
+            "--shard offload keeps states in host memory, which a simulated GPU cannot tell from its own: "
+            "predict it with memfit estimate (or memfit plan), or measure it on a real GPU"
+        )
 
 
 def _device_type(model: nn.Module) -> str:
@@ -342,7 +364,12 @@ def _fully_shard(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = device_mesh(device_type, world, group_size)
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": shard == "full"}
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": shard in ("full", "offload")}
+    if shard in OFFLOAD_SHARDS:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # pinned host memory needs CUDA; a simulated GPU (the CPU) keeps pageable memory
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
     if precision in _HALF:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=_HALF[precision], reduce_dtype=torch.float32)
     chosen = [] if units is None else [unit for unit in units(model) if unit is not model]

@@ -29,8 +29,9 @@ from torch import nn
 from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device
 from memfit.memory.tracker import labelled, module_labels
-from memfit.run.parallel import collective_internals_untracked
+from memfit.run.parallel import check_offload_device, collective_internals_untracked
 from memfit.run.settings import Applied, Settings, autocast, make_scaler
+from memfit.run.strategy import FSDP_SHARDS, OFFLOAD_SHARDS
 from memfit.workload import Workload, move_to
 
 __all__ = ["run_steps", "StepRun"]
@@ -66,7 +67,8 @@ def run_steps(
     if not device.supports(settings.precision):
         raise MemfitError(f"{device.describe()} does not support {settings.precision}")
     result = StepRun()
-    sharded = settings.world_size > 1 and settings.shard in ("gradients", "full")
+    sharded = (settings.world_size > 1 and settings.shard in FSDP_SHARDS) or settings.shard in OFFLOAD_SHARDS
+    check_offload_device(settings.shard, device)
     if sharded and not workload.builds_fresh_models:
         raise MemfitError(
             f"workload {workload.name!r}: FSDP2 shards a model in place for good; "

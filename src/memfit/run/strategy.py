@@ -14,18 +14,24 @@ from typing import Literal
 
 from memfit.errors import MemfitError
 
-__all__ = ["Shard", "SHARDS", "check_strategy", "component", "describe"]
+__all__ = ["Shard", "SHARDS", "FSDP_SHARDS", "OFFLOAD_SHARDS", "check_strategy", "component", "describe"]
 
 #: what N ranks divide among them: nothing (DDP), optimizer state (ZeRO-1), + gradients (FSDP2
-#: keeping full parameters from forward to backward), everything (FSDP2, ZeRO-3)
-Shard = Literal["none", "optimizer", "gradients", "full"]
-SHARDS: tuple[Shard, ...] = ("none", "optimizer", "gradients", "full")
+#: keeping full parameters from forward to backward), everything (FSDP2, ZeRO-3), everything
+#: and kept on the host (FSDP2 with CPUOffloadPolicy: the optimizer steps on the CPU)
+Shard = Literal["none", "optimizer", "gradients", "full", "offload"]
+SHARDS: tuple[Shard, ...] = ("none", "optimizer", "gradients", "full", "offload")
+#: the strategies FSDP2 trains with (fully_shard)
+FSDP_SHARDS: tuple[Shard, ...] = ("gradients", "full", "offload")
+#: the strategies that keep states on the host: also for one GPU, where nothing else is sharded
+OFFLOAD_SHARDS: tuple[Shard, ...] = ("offload",)
 
 _COMPONENTS = {
     "none": "DDP (DistributedDataParallel)",
     "optimizer": "DDP + ZeroRedundancyOptimizer (ZeRO-1)",
     "gradients": "FSDP2 fully_shard, reshard_after_forward=False",
     "full": "FSDP2 fully_shard",
+    "offload": "FSDP2 fully_shard with CPUOffloadPolicy (parameters, gradients and optimizer state on the host)",
 }
 
 
@@ -42,8 +48,8 @@ def check_strategy(shard: str, world_size: int, group_size: int | None = None) -
         raise MemfitError(f"unknown shard mode {shard!r}: use one of {', '.join(SHARDS)}")
     if group_size is None:
         return
-    if shard not in ("gradients", "full"):
-        raise MemfitError(f"--shard-group-size applies to --shard gradients or full (FSDP2), not {shard}")
+    if shard not in FSDP_SHARDS:
+        raise MemfitError(f"--shard-group-size applies to --shard gradients, full or offload (FSDP2), not {shard}")
     if group_size < 1 or world_size % group_size:
         raise MemfitError(
             f"invalid shard group size {group_size}: it must divide the world size {world_size} "
@@ -59,8 +65,8 @@ def component(shard: str) -> str:
 def describe(shard: str, world_size: int, group_size: int | None = None) -> str:
     """One phrase naming how ``world_size`` ranks train under ``shard``."""
     if world_size <= 1:
-        return "one rank (no strategy)"
-    if group_size is not None and group_size < world_size and shard in ("gradients", "full"):
+        return component(shard) + " on one GPU" if shard in OFFLOAD_SHARDS else "one rank (no strategy)"
+    if group_size is not None and group_size < world_size and shard in FSDP_SHARDS:
         return (
             f"HSDP: {component(shard)} over groups of {group_size} ranks, "
             f"replicated over {world_size // group_size} groups"

@@ -25,7 +25,7 @@ from memfit.memory.gpus import GPU
 from memfit.run.checkpointing import recomputes_no_more
 from memfit.run.measure import Measurement
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
-from memfit.run.strategy import SHARDS, Shard, check_strategy, describe
+from memfit.run.strategy import OFFLOAD_SHARDS, SHARDS, Shard, check_strategy, describe
 from memfit.workload import Workload
 
 __all__ = [
@@ -116,7 +116,8 @@ def strategies(
     """
     if world_size <= 1:
         return [("none", None)]
-    chosen = list(shards or SHARDS)
+    # CPU offload is the fallback when nothing else fits (memfit.search.offload_plan), unless asked for
+    chosen = list(shards or [shard for shard in SHARDS if shard not in OFFLOAD_SHARDS])
     found: list[Strategy] = [(shard, None) for shard in chosen]
     if gpus_per_node is not None and 1 < gpus_per_node < world_size and world_size % gpus_per_node == 0:
         found += [(shard, gpus_per_node) for shard in chosen if shard in ("gradients", "full")]
@@ -128,13 +129,13 @@ def strategy_cost(strategy: Strategy) -> int:
     (all-gathers within a node), FSDP2 across every rank; keeping full parameters from
     forward to backward saves backward's all-gathers."""
     shard, group = strategy
-    base = {"none": 0, "optimizer": 1, "gradients": 2, "full": 3}[shard]
-    return base if shard in ("none", "optimizer") or group is not None else base + 2
+    base = {"none": 0, "optimizer": 1, "gradients": 2, "full": 3, "offload": 6}[shard]
+    return base if shard in ("none", "optimizer", "offload") or group is not None else base + 2
 
 
 def sharding_cost(s: Settings) -> int:
     """:func:`strategy_cost` of the settings' strategy (0 for one rank)."""
-    return strategy_cost((s.shard, s.shard_group_size)) if s.world_size > 1 else 0
+    return strategy_cost((s.shard, s.shard_group_size)) if s.world_size > 1 or s.shard in OFFLOAD_SHARDS else 0
 
 
 def candidates(
@@ -176,7 +177,8 @@ def describe_settings(s: Settings) -> str:
     ckpt = {"none": "", "blocks": ", activation checkpointing"}.get(
         s.checkpointing, f", checkpointing {s.checkpointing}"
     )
-    ranks = f", {describe(s.shard, s.world_size, s.shard_group_size)}" if s.world_size > 1 else ""
+    shown = s.world_size > 1 or s.shard in OFFLOAD_SHARDS
+    ranks = f", {describe(s.shard, s.world_size, s.shard_group_size)}" if shown else ""
     return f"{s.precision}{ckpt}{ranks}"
 
 
@@ -200,6 +202,8 @@ class PlanRequest:
     has_batchnorm: bool = False
     #: the card whose predicted speed ranks the candidates (None: the measured speed ranks)
     card: GPU | None = None
+    #: weigh the candidates under CPU offload when none fits (the strategies were not chosen)
+    offload_fallback: bool = True
 
     @property
     def per_rank(self) -> int:

@@ -401,6 +401,8 @@ def _plan(request: FitRequest, target: int) -> Plan:
         headroom=request.headroom,
         speed_gpu=request.speed_gpu,
         progress=_plan_progress(request.say),
+        # fit confirms its answer by running it; CPU offload's memory on a simulated GPU is the estimator's
+        offload=False,
         trials=request.trials,
         say=request.say,
     )

@@ -67,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit import distributed
@@ -78,7 +79,7 @@ from memfit.memory.gpus import GPU
 from memfit.run.measure import Measurement
 from memfit.run.settings import PRECISIONS, Checkpointing, Precision, Settings
 from memfit.run.state import preserved_workload
-from memfit.run.strategy import Shard
+from memfit.run.strategy import OFFLOAD_SHARDS, Shard
 from memfit.search.candidates import (
     Candidate,
     Group,
@@ -95,6 +96,7 @@ from memfit.search.candidates import (
     strategies,
 )
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom
+from memfit.search.offload_plan import OffloadTrials, needs_estimated_trials, offload_axis
 from memfit.search.plan_text import nothing_fits_message, plan_advice, reason, why_this_strategy
 from memfit.search.plan_trials import (
     Failures,
@@ -201,6 +203,29 @@ class _Ledger:
     trial_steps: int = 0
     estimate_error: str | None = None
     speed_error: str | None = None
+    #: the CPU offload fallback's trials, when nothing fit on the GPU alone
+    offload: OffloadTrials | None = None
+
+
+def _offload_fallback(
+    request: PlanRequest, hooks: PlanHooks, ledger: _Ledger, on_device: Trials | None
+) -> OffloadTrials | None:
+    """Nothing fits on the GPU alone: weigh the same splits under CPU offload, with memfit's
+    own trials on a simulated GPU by the estimator's (:mod:`memfit.search.offload_plan`);
+    a caller's ``run_trial`` runs them as it runs every candidate."""
+    if not request.offload_fallback or any(c.fits for c in ledger.results.values()):
+        return None
+    if any(shard in OFFLOAD_SHARDS for shard, _ in request.axis):
+        return None
+    offload = replace(request, axis=offload_axis())
+    trials = OffloadTrials(card=ledger.card)
+    if on_device is not None and needs_estimated_trials(request.device):
+        hooks = replace(hooks, predictor=None, run_trial=trials.trial, predict_speed=trials.predict)
+    for s in offload.pool():
+        ledger.results.setdefault(s, Candidate(s, "not run"))
+    for group in offload.groups():
+        _weigh_group(offload, hooks, ledger, group)
+    return trials
 
 
 def plan(
@@ -222,6 +247,7 @@ def plan(
     predict_speed: SpeedPredictor = predicted_speed,
     trials: TrialKind = "auto",
     say: Callable[[str], None] | None = None,
+    offload: bool = True,
 ) -> Plan:
     """Find the fastest settings whose micro-batch x accumulation x world size is the target.
 
@@ -240,7 +266,9 @@ def plan(
         precisions: the precisions to consider (default: all the device supports).
         checkpointing: the checkpointing modes to consider (default: all the model has).
         shards: the sharding strategies to consider with ``world_size > 1`` (default: all:
-            ``none`` (DDP), ``optimizer`` (ZeRO-1), ``gradients``, ``full`` (FSDP2)).
+            ``none`` (DDP), ``optimizer`` (ZeRO-1), ``gradients``, ``full`` (FSDP2), and
+            when none of those fits, at any world size, ``offload`` (FSDP2 with
+            CPUOffloadPolicy: :mod:`memfit.search.offload_plan`)); given, only those.
         gpus_per_node: GPUs per machine; adds hybrid sharding (FSDP2 within a node,
             replicated across nodes) when the world spans several nodes.
         reference_batch_size: the batch the learning rate was tuned for, for advice on
@@ -260,6 +288,8 @@ def plan(
             then the candidates it ranks (at least the recommended one) for real;
             ``"real"`` runs every trial for real (see :mod:`memfit.search.trials`).
         say: receives one line when trials fall back to real runs, and why.
+        offload: when nothing fits and ``shards`` is not given, weigh the candidates under
+            CPU offload (``shard="offload"``).
 
     Raises:
         DoesNotFitError: no candidate fits within the headroom.
@@ -281,6 +311,7 @@ def plan(
             headroom=headroom,
             speed_gpu=speed_gpu,
         )
+        request = replace(request, offload_fallback=request.offload_fallback and offload)
         return _plan(request, PlanHooks(predictor, run_trial, progress, predict_speed, say), trials)
 
 
@@ -310,7 +341,7 @@ def _resolve(
     # the fake steps of a predicted speed must not step it (as probe's guess does not).
     card = speed_card(gpu, speed_gpu) if wl.builds_fresh_models else None
     usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
-    model = wl.build_model()
+    model = _structure(wl)
     modes = list(checkpointing or checkpointing_modes(model))
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
@@ -326,7 +357,20 @@ def _resolve(
         reference_batch_size=reference_batch_size,
         has_batchnorm=has_batchnorm,
         card=card,
+        offload_fallback=strategy_axis[0] is None,
     )
+
+
+def _structure(wl: Workload) -> nn.Module:
+    """The model for its structure only (its blocks, batch norm): built on the meta device,
+    so a 7B model costs no host memory; built as it is where its constructor cannot run there."""
+    if not wl.builds_fresh_models:
+        return wl.build_model()
+    try:
+        with torch.device("meta"):
+            return wl.build_model()
+    except Exception:  # noqa: BLE001 - a constructor computing on its tensors: build it for real
+        return wl.build_model()
 
 
 def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
@@ -336,6 +380,7 @@ def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
     ledger = _new_ledger(request)
     for group in request.groups():
         _weigh_group(request, hooks, ledger, group)
+    ledger.offload = _offload_fallback(request, hooks, ledger, on_device)
     ledger.failures.raise_if_every_trial_failed()
     measured = [c for c in ledger.results.values() if c.fits]
     if ledger.card is None:
@@ -491,7 +536,8 @@ def _result(
         candidates=ordered,
         recommended=best,
         reason=reason(best, measured, request.device, speed, card) + why_this_strategy(best, ordered, request.axis),
-        advice=plan_advice(request, best.settings, ledger.failures),
+        advice=plan_advice(request, best.settings, ledger.failures)
+        + (ledger.offload.advice(best.settings) if ledger.offload else []),
         trial_steps=ledger.trial_steps,
         headroom=request.headroom,
         estimate_error=ledger.estimate_error,

@@ -23,6 +23,7 @@ from memfit.memory.gpus import GPU
 from memfit.memory.oom import is_oom, release_cached_memory
 from memfit.run.measure import Measurement, measure, non_finite_loss_message
 from memfit.run.settings import Settings
+from memfit.run.strategy import OFFLOAD_SHARDS
 from memfit.search.candidates import Candidate, PlanRequest, Speed, describe_settings, recommended_candidate
 from memfit.search.trials import Trials
 from memfit.workload import Workload
@@ -252,10 +253,14 @@ def confirm_on_device(
             progress(c)
         return True
 
-    for c in [c for c in measured if speed(c) is None]:
+    for c in [c for c in measured if speed(c) is None and c.settings.shard not in OFFLOAD_SHARDS]:
         if not run_for_real(c):
             return None
     best = recommended_candidate(measured, speed)
+    if best.settings.shard in OFFLOAD_SHARDS:
+        # a simulated GPU cannot keep the host's memory apart: the estimator's trial stands
+        trials.tell("the recommended CPU offload was not run for real: its memory is the estimator's (fake tensors)")
+        return steps
     if best.measurement is not None and best.measurement.fake and not run_for_real(best):
         return None
     return steps

@@ -1,0 +1,90 @@
+"""CPU offload (shard="offload", FSDP2 with CPUOffloadPolicy): placing a traced step's
+memory on the host and the GPU, the predicted transfers, and plan's fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+import memfit
+from memfit.cli import main
+from memfit.estimator.estimate import estimate
+from memfit.estimator.offload import (
+    HOST_OPTIMIZER_BANDWIDTH,
+    OPTIMIZER_BYTES_PER_PARAMETER,
+    host_link_bandwidth,
+    split_events,
+    transfer_seconds,
+)
+from memfit.memory.gpus import lookup
+from memfit.memory.tracker import Labels
+from memfit.run.strategy import check_strategy, describe
+from memfit.search.plan import plan
+
+#: its states (16 MiB of parameters: 80 MiB with gradients and AdamW) outweigh its activations
+WIDE_MLP = "mlp:layers=4,width=1024,features=64"
+
+
+def test_split_events_places_the_states_on_the_host() -> None:
+    events = [
+        ("alloc", 1, 4096, Labels()),  # a parameter: made before the first step
+        ("alloc", 2, 2048, Labels("forward", 0, "fc")),  # saved for backward
+        ("alloc", 3, 4096, Labels("backward", 0)),  # the gradient
+        ("free", 2, 0, Labels("backward", 0)),
+        ("alloc", 4, 8192, Labels("optimizer", 0)),  # optimizer state
+        ("alloc", 5, 100, Labels("optimizer", 0)),  # the CPU optimizer's scratch
+        ("free", 5, 0, Labels("optimizer", 0)),
+    ]
+    placed = split_events(events)
+    assert [event[1] for event in placed.gpu_events] == [2, 2]  # only the activation stays on the GPU
+    assert placed.host_peak == 4096 + 4096 + 8192 + 100
+    assert placed.host_parameters == 4096
+
+
+def test_transfer_time_by_the_host_link_and_host_bandwidth() -> None:
+    card = lookup("RTX 4090")  # Ada: PCIe 4.0 x16
+    assert host_link_bandwidth(card) == pytest.approx(31.5e9 * 0.8)
+    copies, optimizer = transfer_seconds(10**9, 10**9, 25 * 10**7, 2, card)
+    # two micro-batches, each: parameters in twice (forward, backward), gradients out once
+    assert copies == pytest.approx(2 * 3e9 / (31.5e9 * 0.8))
+    assert optimizer == pytest.approx(25e7 * OPTIMIZER_BYTES_PER_PARAMETER / HOST_OPTIMIZER_BANDWIDTH)
+
+
+def test_offload_is_a_strategy_for_one_gpu_too() -> None:
+    check_strategy("offload", world_size=1)
+    assert "CPUOffloadPolicy" in describe("offload", 1) and "one GPU" in describe("offload", 1)
+    check_strategy("offload", world_size=4, group_size=2)
+
+
+def test_only_offload_fits_on_a_small_device() -> None:
+    plain = estimate(WIDE_MLP, 2, device="sim:48MiB", search=False)
+    offloaded = estimate(WIDE_MLP, 2, memfit.Settings(shard="offload"), device="sim:48MiB", search=False)
+    assert plain.fits is False and offloaded.fits is True
+    states = sum(plain.breakdown[name] for name in ("parameters", "gradients", "optimizer state"))
+    # the GPU keeps none of the states; the host keeps them all (and the optimizer step's scratch)
+    assert not any(offloaded.breakdown.get(name) for name in ("parameters", "gradients", "optimizer state"))
+    assert offloaded.host_memory is not None and offloaded.host_memory >= states
+    assert offloaded.peak_allocated < plain.peak_allocated and offloaded.peak_reserved <= 48 * 2**20
+    assert offloaded.breakdown["unsharded parameters"] > 0  # FSDP2's gathered units
+    time = offloaded.predicted_time
+    assert time is not None and time["offload_copy_seconds"] > 0 and time["cpu_optimizer_seconds"] > 0
+    assert offloaded.predicted_seconds_per_step is not None
+
+
+def test_a_simulated_gpu_refuses_to_run_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["measure", "mlp", "--batch-size", "2", "--device", "sim:64MiB", "--shard", "offload"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.startswith("memfit: error:") and "host memory" in err and "\n" not in err
+
+
+def test_plan_falls_back_to_offload_when_nothing_else_fits() -> None:
+    result = plan(WIDE_MLP, 2, "sim:48MiB", precisions=["fp32"], checkpointing=["none"])
+    best = result.recommended
+    assert best is not None and best.settings.shard == "offload"
+    assert all(c.status != "measured" for c in result.candidates if c.settings.shard == "none")
+    assert any("host memory" in line for line in result.advice)
+    assert best.predicted_samples_per_second is not None
+
+
+def test_plan_with_its_strategies_chosen_does_not_offload() -> None:
+    with pytest.raises(memfit.DoesNotFitError):
+        plan(WIDE_MLP, 2, "sim:48MiB", precisions=["fp32"], checkpointing=["none"], shards=["none"])
