@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 import torch
 
 from memfit.cuda.kernels import Kernel
+from memfit.estimator.flops import conv_backward_flops
 from memfit.memory.gpus import GPU
 from memfit.memory.tracker import current_labels
 
@@ -186,6 +187,8 @@ def _flop_formulas() -> dict[Any, Any]:
     from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
     formulas = dict(flop_registry)
+    # PyTorch's convolution backward ignores groups in the weight gradient (memfit.estimator.flops)
+    formulas[torch.ops.aten.convolution_backward] = conv_backward_flops
     # The CPU's fused attention (what fake steps on the CPU take without dropout) does the
     # same products as CUDA's flash attention; PyTorch's registry lacks it.
     aten = torch.ops.aten
