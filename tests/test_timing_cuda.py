@@ -66,7 +66,7 @@ def sdpa_shapes(head_dim: int) -> tuple[int, int]:
 
 def test_flash_attention_is_timed_as_the_flash_kernel_with_no_attention_matrix() -> None:
     trace = trace_of(attention_workload(64), memfit.Settings(micro_batch_size=B, precision="bf16"), A100)
-    _kinds, flops, nbytes, _dtypes = trace.forward_backward
+    _kinds, flops, nbytes, _dtypes = trace.forward_backward[:4]
     forward, backward = sdpa_shapes(64)
     assert sum(flops) == forward + backward  # _scaled_dot_product_flash_attention (+ _backward)
     assert sorted(f for f in flops if f) == sorted([forward, backward])
@@ -98,7 +98,7 @@ def test_where_cuda_takes_the_math_path_its_matrices_are_timed(
 ) -> None:
     settings = memfit.Settings(micro_batch_size=B, precision=precision)  # type: ignore[arg-type]
     trace = trace_of(attention_workload(head_dim), settings, target, backend)
-    kinds, flops, nbytes, _ = trace.forward_backward
+    kinds, flops, nbytes, _ = trace.forward_backward[:4]
     forward, _ = sdpa_shapes(head_dim)
     # the math path's two batched products, and twice that in backward (no recompute)
     assert sum(flops) == 3 * forward, why
@@ -110,7 +110,7 @@ def test_where_cuda_takes_the_math_path_its_matrices_are_timed(
 
 def test_a_card_without_flash_times_the_memory_efficient_kernel() -> None:
     trace = trace_of(attention_workload(64), memfit.Settings(micro_batch_size=B, precision="fp16"), T4)
-    _, flops, nbytes, _ = trace.forward_backward
+    _, flops, nbytes, _ = trace.forward_backward[:4]
     forward, backward = sdpa_shapes(64)
     assert sorted(f for f in flops if f) == sorted([forward, backward])  # _efficient_attention's formulas
     assert max(nbytes) < B * H * S * S * 2 / 2
@@ -146,7 +146,7 @@ def test_fused_dropout_is_timed_as_one_kernel_each_way_with_a_bool_mask() -> Non
         name="dropout",
     )
     trace = trace_of(workload, memfit.Settings(micro_batch_size=1), A100)
-    kinds, _, nbytes, _ = trace.forward_backward
+    kinds, _, nbytes, _ = trace.forward_backward[:4]
     # native_dropout: input and output (fp32) and a 1-byte mask; its backward: gradient in
     # and out and the mask. The CPU's dropout (an fp32 mask, several kernels) is not timed.
     fused = 4 * n + 4 * n + n
@@ -172,7 +172,7 @@ def test_an_lstm_is_timed_as_cudnn_calls_not_the_cpus_steps() -> None:
         name="lstm",
     )
     trace = trace_of(workload, memfit.Settings(micro_batch_size=batch), A100)
-    kinds, flops, _, _ = trace.forward_backward
+    kinds, flops, _, _ = trace.forward_backward[:4]
     weights = [p for p in nn.LSTM(features, hidden, num_layers=layers).parameters() if p.dim() == 2]
     forward = sum(2 * steps * batch * w.numel() for w in weights)  # each W times every step's input
     calls = [f for k, f in zip(kinds, flops) if k == Kind.CONV]

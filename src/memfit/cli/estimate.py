@@ -285,6 +285,11 @@ def speed_line(result: Estimate) -> str | None:
         f"{_seconds(time['compute_seconds'])} and moves memory {_seconds(time['memory_seconds'])}, "
         f"the host launches for {_seconds(time['host_seconds'])})."
     )
+    classes = time.get("by_class") or {}
+    if classes:
+        busy = sum(classes.values()) or 1.0
+        top = ", ".join(f"{name.replace('_', ' ')} {seconds / busy:.0%}" for name, seconds in list(classes.items())[:4])
+        line += f" Bound by {time.get('bound_by', '').replace('_', ' ')}; GPU time by kernel class: {top}."
     if result.target.startswith("sim:") and result.target != f"sim:{result.speed_gpu}":
         line += (
             f" {result.target} names no card: the speed is the {result.speed_gpu}'s; "

@@ -17,6 +17,7 @@ from __future__ import annotations
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
 from memfit.estimator.fake import run_fake_steps
+from memfit.estimator.kernel_rates import RATES, Rates
 from memfit.estimator.timing import OpTrace, StepTime, predict
 from memfit.memory.gpus import GPU, lookup
 from memfit.run.settings import Settings
@@ -70,6 +71,7 @@ def step_time(
     tf32_matmul: bool | None = None,
     tf32_conv: bool | None = None,
     trace: OpTrace | None = None,
+    rates: Rates = RATES,
 ) -> StepTime:
     """Predicted seconds per step and samples/s of ``workload`` at ``settings`` on ``gpu``.
 
@@ -82,6 +84,8 @@ def step_time(
         tf32_matmul: fp32 matmuls on tf32 (default: this process's PyTorch setting).
         tf32_conv: fp32 convolutions on tf32 (default: this process's PyTorch setting).
         trace: a step already recorded at these settings' micro-batch (skips the fake step).
+        rates: the efficiency of each kernel class (default: memfit's sourced and
+            calibrated ones; the calibration of ``bench/predicted_speed.py`` varies them).
 
     Raises:
         MemfitError: no micro-batch, a card without peaks (a laptop part), or a precision
@@ -107,4 +111,5 @@ def step_time(
         accumulation=settings.accumulation_steps,
         tf32_matmul=tf32_matmul,
         tf32_conv=tf32_conv,
+        rates=rates,
     )

@@ -41,13 +41,16 @@ Every constant is stated once, with its source, and none was fitted to a benchma
 from __future__ import annotations
 
 import array
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any, NamedTuple
 
 import torch
 
 from memfit.cuda.kernels import Kernel
+from memfit.estimator.flops import conv_backward_flops
+from memfit.estimator.kernel_classes import Classified, classify
+from memfit.estimator.kernel_rates import RATES, KernelClass, Mode, Rates, gemm_utilisation, kernel_seconds, sm_count
 from memfit.memory.gpus import GPU
 from memfit.memory.tracker import current_labels
 
@@ -145,40 +148,32 @@ _SYNC = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
 _GATHER = frozenset({"embedding", "index_select", "gather", "index", "take"})
 #: cuDNN's operations (tf32 there follows torch.backends.cudnn.allow_tf32)
 _CONV = frozenset({"convolution", "_convolution", "cudnn_convolution", "convolution_backward"})
+_NO_SHAPE = Classified(KernelClass.NONE)
+#: an operation added without its shape (tests, reported kernels): by its kind
+_DEFAULT_SHAPES = {
+    Kind.KERNEL: Classified(KernelClass.ELEMENTWISE),
+    Kind.MATMUL: Classified(KernelClass.GEMM),
+    Kind.CONV: Classified(KernelClass.CONV_DENSE),
+    Kind.NO_KERNEL: _NO_SHAPE,
+    Kind.SYNC: _NO_SHAPE,
+    Kind.IGNORED: _NO_SHAPE,
+}
 
 
-def _activation_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the NCHW activations among ``tensors`` (4-D, contiguous, more than one channel)."""
-    return sum(
-        _nbytes(t)
-        for t in tensors
-        if t.dim() == 4
-        and t.shape[1] > 1
-        and t.is_contiguous()
-        and not t.is_contiguous(memory_format=torch.channels_last)
-    )
-
-
-def _extra_passes(name: str, kind: Kind, dtype: DType, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+def _extra_passes(name: str, inputs: list[torch.Tensor]) -> int:
     """Bytes the GPU's kernels move beyond one read of each input and one write of each
     output, where the CUDA implementation is known to make more passes.
 
-    - Batch norm in training (PyTorch's CUDA kernels, aten/src/ATen/native/cuda/
-      Normalization.cuh): forward reads its input twice (statistics, then normalize);
-      backward reads the gradient and the input twice (the reductions, then the
-      element-wise pass).
-    - Tensor-core convolutions on 16-bit NCHW tensors: cuDNN's tensor-core kernels work on
-      NHWC, so each NCHW activation is transposed in or out (one more read and write):
-      NVIDIA, "Convolutional Layers User's Guide", section "Tensor Layouts In Memory: NCHW
-      vs NHWC" (channels_last tensors need no transpose).
+    Batch norm in training (PyTorch's CUDA kernels, aten/src/ATen/native/cuda/
+    Normalization.cuh): forward reads its input twice (statistics, then normalize);
+    backward reads the gradient and the input twice (the reductions, then the element-wise
+    pass). (cuDNN's NCHW transposes around a convolution are timed apart:
+    :mod:`memfit.estimator.kernel_classes`.)
     """
     if name in ("native_batch_norm", "_native_batch_norm_legit", "cudnn_batch_norm"):
         return _nbytes(inputs[0]) if inputs else 0
     if name in ("native_batch_norm_backward", "cudnn_batch_norm_backward", "batch_norm_backward"):
         return sum(_nbytes(t) for t in inputs[:2])
-    if kind == Kind.CONV and dtype in (DType.HALF, DType.BFLOAT):
-        weightless = [t for t in inputs if t.dim() == 4 and t.shape[1] > 1]
-        return 2 * _activation_bytes([*weightless, *[t for t in outputs if t.dim() == 4]])
     return 0
 
 
@@ -186,6 +181,8 @@ def _flop_formulas() -> dict[Any, Any]:
     from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
     formulas = dict(flop_registry)
+    # PyTorch's convolution backward ignores groups in the weight gradient (memfit.estimator.flops)
+    formulas[torch.ops.aten.convolution_backward] = conv_backward_flops
     # The CPU's fused attention (what fake steps on the CPU take without dropout) does the
     # same products as CUDA's flash attention; PyTorch's registry lacks it.
     aten = torch.ops.aten
@@ -232,10 +229,26 @@ class OpArrays(NamedTuple):
     nbytes: array.array[float]
     #: :class:`DType` of each operation
     dtypes: array.array[int]
+    #: :class:`~memfit.estimator.kernel_rates.KernelClass` of each operation
+    classes: array.array[int]
+    #: a matrix product's output rows, columns, reduced dimension and batch (0: unknown)
+    m: array.array[float]
+    n: array.array[float]
+    k: array.array[float]
+    batch: array.array[float]
+    #: a convolution's NCHW activation bytes (cuDNN transposes them on tensor cores)
+    nchw: array.array[float]
 
 
 def _arrays() -> OpArrays:
-    return OpArrays(array.array("b"), array.array("d"), array.array("d"), array.array("b"))
+    return OpArrays(
+        array.array("b"),
+        array.array("d"),
+        array.array("d"),
+        array.array("b"),
+        array.array("b"),
+        *(array.array("d") for _ in range(5)),
+    )
 
 
 @dataclass
@@ -292,6 +305,7 @@ class OpCounter:
             return
         flops = nbytes = 0.0
         dtype = DType.OTHER
+        shape = _NO_SHAPE
         if kind not in (Kind.NO_KERNEL, Kind.SYNC):
             inputs: list[torch.Tensor] = []
             _walk(args, inputs)
@@ -311,14 +325,15 @@ class OpCounter:
                 if tensor.is_floating_point():
                     dtype = _DTYPES.get(tensor.dtype, DType.OTHER)
                     break
-            nbytes = float(read + written + _extra_passes(name, kind, dtype, inputs, outputs))
+            nbytes = float(read + written + _extra_passes(name, inputs))
+            shape = classify(name, kind == Kind.CONV, args, inputs, outputs)
             if formula is not None:
                 try:
                     flops = float(formula(*args, **kwargs, out_val=out))
                 except (TypeError, ValueError, AssertionError, IndexError, RuntimeError):
                     # a signature PyTorch's formula does not know: timed by its bytes, and said
                     self.uncounted += 1
-        self.add(kind, flops, nbytes, dtype, phase=labels.phase)
+        self.add(kind, flops, nbytes, dtype, phase=labels.phase, shape=shape)
 
     def kernel(self, kernel: Kernel) -> None:
         """Count a CUDA kernel an emulation reports, if it belongs to the recorded step."""
@@ -326,15 +341,44 @@ class OpCounter:
         if labels.step != self.step:
             return
         dtype = _DTYPES.get(kernel.dtype, DType.OTHER)
-        self.add(_ENGINES[kernel.engine], float(kernel.flops), float(kernel.nbytes), dtype, phase=labels.phase)
+        kind = _ENGINES[kernel.engine]
+        if kind == Kind.MATMUL:
+            cls = KernelClass.ATTENTION if "scaled_dot_product" in kernel.name else KernelClass.GEMM
+        else:
+            cls = KernelClass.CONV_DENSE if kind == Kind.CONV else KernelClass.ELEMENTWISE
+        shape = Classified(cls)
+        self.add(kind, float(kernel.flops), float(kernel.nbytes), dtype, phase=labels.phase, shape=shape)
 
-    def add(self, kind: Kind, flops: float, nbytes: float, dtype: DType, *, phase: str) -> None:
-        """Append one operation (``phase`` "optimizer" or anything else for forward/backward)."""
+    def add(
+        self, kind: Kind, flops: float, nbytes: float, dtype: DType, *, phase: str, shape: Classified | None = None
+    ) -> None:
+        """Append one operation (``phase`` "optimizer" or anything else for forward/backward).
+
+        Args:
+            kind: how the replay treats it (a kernel, a product, no kernel, a sync).
+            flops: its floating-point operations.
+            nbytes: the bytes it reads and writes.
+            dtype: its inputs' dtype.
+            phase: "optimizer" for the optimizer's step.
+            shape: its kernel class and shape (default: by ``kind``: a dense product or an
+                element-wise kernel, shape unknown).
+        """
+        if shape is None:
+            shape = _DEFAULT_SHAPES[kind]
+        cls = shape.cls
+        if phase == "optimizer" and cls == KernelClass.ELEMENTWISE:
+            cls = KernelClass.OPTIMIZER  # the optimizer's per-parameter loops: its kernels
         ops = self._opt if phase == "optimizer" else self._fb
         ops.kinds.append(kind)
         ops.flops.append(flops)
         ops.nbytes.append(nbytes)
         ops.dtypes.append(dtype)
+        ops.classes.append(cls)
+        ops.m.append(shape.m)
+        ops.n.append(shape.n)
+        ops.k.append(shape.k)
+        ops.batch.append(shape.batch)
+        ops.nchw.append(shape.nchw)
 
     def trace(self) -> OpTrace:
         return OpTrace(self._fb, self._opt, self.micro_batches, self.uncounted)
@@ -381,17 +425,32 @@ class StepTime:
     tf32_conv: bool
     #: products whose FLOPs PyTorch's formulas could not count (0: the prediction is whole)
     uncounted_operations: int = 0
+    #: GPU seconds per step by kernel class (``gemm``, ``conv_depthwise``, ``layout``, ...),
+    #: largest first
+    by_class: dict[str, float] = field(default_factory=dict)
+    #: what bounds the step: the class of kernels with the most GPU time, or ``host`` when
+    #: the host's launches take longer than all the GPU's kernels
+    bound_by: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _peaks(gpu: GPU, tf32_matmul: bool, tf32_conv: bool) -> dict[tuple[int, int], float]:
-    """Peak FLOP/s by (kind, dtype) for the products (tensor cores where they apply)."""
-    fp32 = gpu.fp32
-    half = gpu.fp16_tensor or fp32
-    bfloat = gpu.bf16_tensor or fp32
-    tf32 = gpu.tf32 or fp32
+class _Card(NamedTuple):
+    """A card as the replay needs it: (mode, peak FLOP/s) by (kind, dtype), bandwidth, SMs, rates."""
+
+    modes: dict[tuple[int, int], tuple[Mode, float]]
+    bandwidth: float
+    sms: int | None
+    rates: Rates
+
+
+def _modes(gpu: GPU, tf32_matmul: bool, tf32_conv: bool) -> dict[tuple[int, int], tuple[Mode, float]]:
+    """The arithmetic each product runs in, and its peak: tensor cores where they apply."""
+    fp32 = (Mode.FP32, gpu.fp32)
+    half = (Mode.HALF, gpu.fp16_tensor) if gpu.fp16_tensor else fp32
+    bfloat = (Mode.HALF, gpu.bf16_tensor) if gpu.bf16_tensor else fp32
+    tf32 = (Mode.TF32, gpu.tf32) if gpu.tf32 else fp32
     return {
         (Kind.MATMUL, DType.SINGLE): tf32 if tf32_matmul else fp32,
         (Kind.CONV, DType.SINGLE): tf32 if tf32_conv else fp32,
@@ -413,33 +472,69 @@ class Replay(NamedTuple):
     memory: float
     host: float
     kernels: int
+    #: GPU time by :class:`~memfit.estimator.kernel_rates.KernelClass`
+    by_class: list[float]
 
 
-def _replay(ops: OpArrays, peaks: dict[tuple[int, int], float], bandwidth: float) -> Replay:
+def _product_seconds(ops: tuple[Any, ...], card: _Card) -> tuple[float, bool, float]:
+    """(busy seconds, bound by FLOPs, layout seconds) of one product (a matmul, a convolution)."""
+    kind, flops, nbytes, dtype, cls, m, n, k, batch, nchw = ops
+    mode, peak = card.modes[(kind, dtype)]
+    utilisation = gemm_utilisation(m, n, k, batch, card.sms) if m > 0 else 1.0
+    busy, bound = kernel_seconds(
+        KernelClass(cls),
+        mode,
+        flops,
+        nbytes,
+        peak=peak,
+        bandwidth=card.bandwidth,
+        rates=card.rates,
+        utilisation=utilisation,
+    )
+    # cuDNN's tensor-core kernels transpose NCHW activations in and out (one read and write
+    # each); the guide states it for 16-bit data and it is applied to tf32 too (an assumption:
+    # without it the calibrated tf32 rate fits worse, see docs/benchmarks.md)
+    layout = 2 * nchw / (card.bandwidth * card.rates.layout) if nchw > 0 and mode != Mode.FP32 else 0.0
+    return busy, bound, layout
+
+
+def _replay(ops: OpArrays, card: _Card) -> Replay:
     """The operations' time, the host running ahead of the GPU until it must wait for a value."""
     host = device = compute = memory = 0.0
     kernels = 0
-    for kind, flops, nbytes, dtype in zip(*ops):
+    by_class = [0.0] * len(KernelClass)
+    for op in zip(*ops):
+        kind, _, nbytes, _, cls = op[:5]
         host += HOST_SECONDS_PER_OP
         if kind == Kind.NO_KERNEL:
             continue
         if kind == Kind.SYNC:
             host = max(host, device)
             continue
-        moving = nbytes / bandwidth
+        layout = 0.0
         if kind == Kind.KERNEL:
-            busy = moving
-            memory += moving
+            busy, bound = kernel_seconds(
+                KernelClass(cls), Mode.FP32, 0.0, nbytes, peak=0.0, bandwidth=card.bandwidth, rates=card.rates
+            )
         else:
-            computing = flops / (peaks[(kind, dtype)] * COMPUTE_EFFICIENCY)
-            busy = max(computing, moving)
-            if computing >= moving:
-                compute += busy
-            else:
-                memory += busy
-        device = max(host, device) + busy + KERNEL_GAP_SECONDS
+            busy, bound, layout = _product_seconds(op, card)
+        if bound:
+            compute += busy
+        else:
+            memory += busy
+        memory += layout
+        by_class[cls] += busy
+        by_class[KernelClass.LAYOUT] += layout
+        device = max(host, device) + busy + layout + KERNEL_GAP_SECONDS
         kernels += 1
-    return Replay(max(host, device), compute, memory, len(ops.kinds) * HOST_SECONDS_PER_OP, kernels)
+    return Replay(max(host, device), compute, memory, len(ops.kinds) * HOST_SECONDS_PER_OP, kernels, by_class)
+
+
+def _by_class(fb: Replay, opt: Replay, scale: float) -> dict[str, float]:
+    times = {
+        KernelClass(i).name.lower(): scale * a + b for i, (a, b) in enumerate(zip(fb.by_class, opt.by_class)) if a or b
+    }
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
 
 
 def predict(
@@ -450,6 +545,7 @@ def predict(
     accumulation: int | None = None,
     tf32_matmul: bool | None = None,
     tf32_conv: bool | None = None,
+    rates: Rates = RATES,
 ) -> StepTime:
     """The predicted step of ``trace`` on ``gpu`` (see the module for the model).
 
@@ -463,25 +559,31 @@ def predict(
             allow_tf32`` in this process).
         tf32_conv: convolutions in fp32 use tf32 (default: ``torch.backends.cudnn.
             allow_tf32``).
+        rates: the efficiency of each kernel class (default: the sourced and calibrated
+            :data:`memfit.estimator.kernel_rates.RATES`).
     """
     default_matmul, default_conv = tf32_settings()
     tf32_matmul = default_matmul if tf32_matmul is None else tf32_matmul
     tf32_conv = default_conv if tf32_conv is None else tf32_conv
-    peaks = _peaks(gpu, tf32_matmul, tf32_conv)
-    bandwidth = gpu.bandwidth * MEMORY_EFFICIENCY
+    card = _Card(_modes(gpu, tf32_matmul, tf32_conv), gpu.bandwidth, sm_count(gpu), rates)
     scale = (accumulation or trace.micro_batches) / trace.micro_batches
-    fb = _replay(trace.forward_backward, peaks, bandwidth)
-    opt = _replay(trace.optimizer, peaks, bandwidth)
+    fb = _replay(trace.forward_backward, card)
+    opt = _replay(trace.optimizer, card)
     seconds = scale * fb.seconds + opt.seconds
+    by_class = _by_class(fb, opt, scale)
+    host = scale * fb.host + opt.host
+    busy = sum(by_class.values())
     return StepTime(
         gpu=gpu.name,
         seconds_per_step=seconds,
         samples_per_second=samples_per_step / seconds if seconds > 0 else 0.0,
         compute_seconds=scale * fb.compute + opt.compute,
         memory_seconds=scale * fb.memory + opt.memory,
-        host_seconds=scale * fb.host + opt.host,
+        host_seconds=host,
         kernels=round(scale * fb.kernels) + opt.kernels,
         tf32_matmul=tf32_matmul and gpu.tf32 is not None,
         tf32_conv=tf32_conv and gpu.tf32 is not None,
         uncounted_operations=trace.uncounted,
+        by_class=by_class,
+        bound_by="host" if host > busy or not by_class else next(iter(by_class)),
     )

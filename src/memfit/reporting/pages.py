@@ -90,6 +90,26 @@ def _probe_html(probe: Mapping[str, Any]) -> str:
     return "".join(parts)
 
 
+def _estimate_html(estimate: Mapping[str, Any]) -> str:
+    """The estimate's table, and its predicted GPU time by kernel class (what bounds the step)."""
+    page = to_html(estimate)
+    time = estimate.get("predicted_time")
+    classes = time.get("by_class") if isinstance(time, Mapping) else None
+    if not isinstance(classes, Mapping) or not classes:
+        return page
+    busy = sum(float(v) for v in classes.values()) or 1.0
+    rows = [
+        {
+            "kernel class": str(name).replace("_", " "),
+            "GPU ms per step": f"{float(v) * 1e3:.3g}",
+            "share": f"{float(v) / busy:.0%}",
+        }
+        for name, v in classes.items()
+    ]
+    bound = str(time.get("bound_by", "")).replace("_", " ") if isinstance(time, Mapping) else ""
+    return page + f"<h3>Predicted time by kernel class (bound by {html.escape(bound)})</h3>" + html_table(rows)
+
+
 def report_html(
     run: RecordedRun,
     timeline: bytes,
@@ -158,7 +178,7 @@ def results_html(
         parts.append(html_table(rows) if rows else '<p class="ok">No findings.</p>')
     sections = (
         ("probe", "Probe", probe, probe_png, _probe_html),
-        ("estimate", "Estimate", estimate, estimate_png, to_html),
+        ("estimate", "Estimate", estimate, estimate_png, _estimate_html),
         ("plan", "Plan", plan, plan_png, _plan_html),
     )
     for name, heading, result, draw, render in sections:

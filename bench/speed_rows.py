@@ -1,0 +1,185 @@
+"""The published single-GPU training throughputs ``bench/predicted_speed.py`` checks, each
+with its source, and the calibration/validation split.
+
+The split (stated once, here): the **calibration** rows are the only ones the calibrated
+efficiencies of :mod:`memfit.estimator.kernel_rates` were fitted on (``--calibrate``):
+timm's RTX 3090 rows of four CNNs, one per convolution kind and layout (ResNet-50 dense,
+ResNeXt-50 grouped, EfficientNet-B0 and MobileNetV2 depthwise; NCHW and NHWC), and
+Lambda's two A100 80GB SXM ResNet-50 rows (AMP, and fp32 on tf32). Every other row is a
+**validation** row: other models of timm's CSVs (ResNet-18/34/101/152, ResNeXt-101,
+ConvNeXt, Swin, ViT, RegNetY), other cards (Lambda's eight others), other sources
+(NVIDIA DeepLearningExamples' ResNeXt-101 and EfficientNet-B0 tables, the Hugging Face
+BERT rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import memfit
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a set of rows comes from, and what it measured."""
+
+    key: str
+    citation: str
+    setup: str
+
+
+SOURCES = {
+    "hf-v100": Source(
+        "hf-v100",
+        "Hugging Face transformers docs, 'Efficient Training on a Single GPU' (perf_train_gpu_one, "
+        "v4.16-v4.18, January 2022; huggingface/transformers docs/source/en/perf_train_gpu_one.mdx)",
+        "bert-large-uncased sequence classification, 512 dummy sequences of 512 tokens, one epoch of "
+        "the HF Trainer (AdamW of transformers, weight decay 0, gradient clipping at 1.0, eager "
+        "attention); Tesla V100-SXM2-16GB, driver 460.91, CUDA 11.2; `train_samples_per_second`",
+    ),
+    "lambda-resnet50": Source(
+        "lambda-resnet50",
+        "Lambda GPU benchmarks, lambdal/deeplearning-benchmark: pytorch/pytorch-train-throughput-fp16.csv "
+        "and -fp32.csv (throughput), pytorch-train-bs-*.csv and scripts/config_v1 (batch sizes)",
+        "NVIDIA DeepLearningExamples ResNet-50 v1.5 (PyTorch/Classification/ConvNets) in the NGC "
+        "pytorch:22.09 container, synthetic data, SGD with momentum 0.875, `--amp --static-loss-scale 256` "
+        "(AMP) or fp32 (cuDNN's default tf32 on Ampere and later); one GPU; images/s",
+    ),
+    "timm-3090": Source(
+        "timm-3090",
+        "timm (huggingface/pytorch-image-models) results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv "
+        "and results/benchmark-train-amp-nhwc-pt112-cu113-rtx3090.csv",
+        "timm's benchmark.py train mode: PyTorch 1.12, CUDA 11.3, one RTX 3090, AMP (fp16 autocast), "
+        "SGD (timm's: momentum 0.9, Nesterov), cross-entropy, synthetic batch, the CSV's batch size and "
+        "image size; NCHW, or channels_last (nhwc file); `train_samples_per_sec`",
+    ),
+    "dle-resnext101": Source(
+        "dle-resnext101",
+        "NVIDIA DeepLearningExamples PyTorch/Classification/ConvNets/resnext101-32x4d/README.md, "
+        "'Training performance results' (1 GPU rows)",
+        "ResNeXt-101 32x4d, pytorch-20.06 NGC container, synthetic data, SGD momentum 0.875; AMP "
+        "(`--amp --static-loss-scale 256 --memory-format nhwc`) at batch 128, TF32 at 128 (A100) and FP32 "
+        "at 64 (V100), NCHW; DGX A100 40GB and DGX-1 V100 16GB/32GB, one GPU; img/s",
+    ),
+    "dle-efficientnet": Source(
+        "dle-efficientnet",
+        "NVIDIA DeepLearningExamples PyTorch/Classification/ConvNets/efficientnet/README.md, "
+        "'Training performance results' (1 GPU rows of efficientnet-b0)",
+        "EfficientNet-B0 at 224x224, pytorch-21.03 NGC container, synthetic data; AMP (NHWC, as the "
+        "repository's AMP configs) or TF32 (A100 80GB) / FP32 (V100 16GB), NCHW. The README table does "
+        "not state the batch: 256 is assumed here (a throughput at this size changes little with the "
+        "batch); img/s",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One published measurement, reproduced."""
+
+    source: str
+    label: str
+    gpu: str
+    workload: str
+    settings: memfit.Settings
+    published: float  # samples/s
+    tf32_matmul: bool = False
+    tf32_conv: bool = False
+    #: one of the rows the calibrated efficiencies were fitted on (never a validation row)
+    calibration: bool = False
+
+
+def S(micro: int, precision: str = "fp32", accumulation: int = 1, checkpointing: str = "none") -> memfit.Settings:
+    return memfit.Settings(
+        precision=precision,  # type: ignore[arg-type]
+        checkpointing=checkpointing,  # type: ignore[arg-type]
+        micro_batch_size=micro,
+        accumulation_steps=accumulation,
+    )
+
+
+V100 = "V100 SXM2 16GB"
+ROWS: list[Row] = [
+    # Hugging Face transformers docs, bert-large on a V100 (each technique of the page)
+    Row("hf-v100", "batch 4, fp32", V100, "bert-large adamw", S(4), 8.86),
+    Row("hf-v100", "batch 1 x 4 accumulation", V100, "bert-large adamw", S(1, accumulation=4), 7.75),
+    Row("hf-v100", "batch 1 x 4, checkpointing", V100, "bert-large adamw", S(1, "fp32", 4, "blocks"), 5.99),
+    Row("hf-v100", "batch 4, fp16", V100, "bert-large adamw", S(4, "fp16"), 18.64),
+    Row("hf-v100", "batch 1 x 4, checkpointing, fp16", V100, "bert-large adamw", S(1, "fp16", 4, "blocks"), 10.09),
+    Row("hf-v100", "batch 4, Adafactor", V100, "bert-large adafactor", S(4), 7.96),
+    Row(
+        "hf-v100",
+        "batch 1 x 4, checkpointing, fp16, Adafactor",
+        V100,
+        "bert-large adafactor",
+        S(1, "fp16", 4, "blocks"),
+        9.06,
+    ),
+]
+# Lambda's ResNet-50: (GPU in our table, batch AMP, images/s AMP, batch fp32, images/s fp32).
+# The batch sizes are Lambda's per-GPU-memory configs (24 GB, 40 GB, 48 GB, 80 GB); the
+# H100 SXM row uses the 80 GB config as the H100 PCIe row does.
+_LAMBDA = [
+    ("RTX 3090", 448, 905, 224, 513),
+    ("RTX 4090", 448, 1301, 224, 721),
+    ("RTX A6000", 928, 916, 496, 514),
+    ("RTX 6000 Ada", 928, 1146, 496, 647),
+    ("A100 40GB", 720, 1396, 360, 882),
+    ("A100 80GB PCIe", 1280, 1527, 640, 1014),
+    ("A100 80GB SXM", 1280, 1582, 640, 1066),
+    ("H100 PCIe", 1280, 1866, 640, 1197),
+    ("H100 SXM", 1280, 2616, 640, 1753),
+]
+for _gpu, _b16, _ips16, _b32, _ips32 in _LAMBDA:
+    _cal = _gpu == "A100 80GB SXM"
+    ROWS.append(Row("lambda-resnet50", f"{_gpu}, AMP, batch {_b16}", _gpu, "resnet50/dle", S(_b16, "fp16"), _ips16,
+                    tf32_matmul=True, tf32_conv=True, calibration=_cal))  # fmt: skip
+    ROWS.append(Row("lambda-resnet50", f"{_gpu}, fp32 (tf32), batch {_b32}", _gpu, "resnet50/dle", S(_b32), _ips32,
+                    tf32_matmul=True, tf32_conv=True, calibration=_cal))  # fmt: skip
+
+# timm's RTX 3090 training CSVs (PyTorch 1.12): (model in timm, our family, batch, NCHW img/s,
+# NHWC img/s or None when not taken, a calibration row)
+_TIMM = [
+    ("resnet18", "resnet18", 512, 2764.22, 3481.78, False),
+    ("resnet34", "resnet34", 512, 1622.41, 2036.51, False),
+    ("resnet50", "resnet50", 512, 826.06, 1218.01, True),
+    ("resnet101", "resnet101", 256, 568.98, 747.89, False),
+    ("resnet152", "resnet152", 192, 370.08, None, False),
+    ("resnext50_32x4d", "resnext50", 384, 663.39, 1001.03, True),
+    ("resnext101_32x4d", "resnext101", 192, 427.18, None, False),
+    ("tf_efficientnet_b0", "efficientnet_b0", 384, 1395.32, 1779.02, True),
+    ("mobilenetv2_100", "mobilenetv2", 512, 1832.14, 2313.1, True),
+    ("convnext_tiny", "convnext_t", 256, 813.16, 819.24, False),
+    ("convnext_small", "convnext_s", 192, 489.81, None, False),
+    ("swin_tiny_patch4_window7_224", "swin_t", 256, 646.76, None, False),
+    ("swin_small_patch4_window7_224", "swin_s", 192, 399.67, None, False),
+    ("deit_tiny_patch16_224", "vit_t16", 512, 2290.53, 2290.33, False),
+    ("vit_small_patch16_224", "vit_s16", 384, 1052.92, 1057.92, False),
+    ("vit_base_patch16_224", "vit_b16", 192, 390.86, None, False),
+    ("regnety_040", "regnety_040", 384, 640.15, None, False),
+]
+# the NHWC mobilenetv2 row is the CSV's batch 512 as the NCHW one; tf_efficientnet_b0 is
+# batch 384 in both; the ViT rows have no convolution but the patch embedding
+for _name, _family, _batch, _nchw, _nhwc, _cal in _TIMM:
+    ROWS.append(Row("timm-3090", f"{_name}, NCHW, batch {_batch}", "RTX 3090", f"{_family}/timm",
+                    S(_batch, "fp16"), _nchw, calibration=_cal))  # fmt: skip
+    if _nhwc is not None:
+        ROWS.append(Row("timm-3090", f"{_name}, NHWC, batch {_batch}", "RTX 3090", f"{_family}/nhwc/timm",
+                        S(_batch, "fp16"), _nhwc, calibration=_cal))  # fmt: skip
+
+# DeepLearningExamples ResNeXt-101 32x4d: (GPU, AMP img/s, TF32-or-FP32 img/s, batch of the latter)
+_DLE_RESNEXT = [("A100 40GB", 908.40, 300.42, 128), (V100, 534.91, 150.05, 64), ("V100 SXM2 32GB", 516.07, 139.80, 64)]
+for _gpu, _amp, _full, _b in _DLE_RESNEXT:
+    _tf32 = _gpu.startswith("A100")
+    ROWS.append(Row("dle-resnext101", f"{_gpu}, AMP NHWC, batch 128", _gpu, "resnext101/nhwc/dle", S(128, "fp16"),
+                    _amp, tf32_matmul=_tf32, tf32_conv=_tf32))  # fmt: skip
+    ROWS.append(Row("dle-resnext101", f"{_gpu}, {'TF32' if _tf32 else 'FP32'}, batch {_b}", _gpu, "resnext101/dle",
+                    S(_b), _full, tf32_matmul=_tf32, tf32_conv=_tf32))  # fmt: skip
+
+# DeepLearningExamples EfficientNet-B0: (GPU, AMP img/s, TF32-or-FP32 img/s)
+for _gpu, _amp, _full in (("A100 80GB SXM", 2489.0, 1078.0), (V100, 1301.0, 655.0)):
+    _tf32 = _gpu.startswith("A100")
+    ROWS.append(Row("dle-efficientnet", f"{_gpu}, AMP NHWC, batch 256", _gpu, "efficientnet_b0/nhwc/dle",
+                    S(256, "fp16"), _amp, tf32_matmul=_tf32, tf32_conv=_tf32))  # fmt: skip
+    ROWS.append(Row("dle-efficientnet", f"{_gpu}, {'TF32' if _tf32 else 'FP32'}, batch 256", _gpu,
+                    "efficientnet_b0/dle", S(256), _full, tf32_matmul=_tf32, tf32_conv=_tf32))  # fmt: skip

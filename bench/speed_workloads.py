@@ -1,0 +1,210 @@
+"""The workloads of ``bench/predicted_speed.py``: each published row's model, built from its
+config with random weights (no download), with the batch, loss and optimizer its source ran.
+
+Vision models come from transformers' config classes where they match the source's model
+(parameter counts checked against timm's CSVs: ResNet-18 11.69 M, ResNet-50 25.56 M,
+EfficientNet-B0 5.29 M, MobileNetV2 3.50 M, ConvNeXt-T 28.59 M, Swin-T 28.29 M, ViT-S/16
+22.05 M, RegNetY-4.0GF 20.65 M); ResNeXt is built here (transformers has none), as
+torchvision's ``resnext50_32x4d`` / ``resnext101_32x4d``: bottlenecks whose 3x3 convolution
+has 32 groups of 4 x 2^stage channels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.workload import Workload
+
+#: (depths, layer type, widths) of transformers' ResNet for each torchvision depth
+_RESNETS = {
+    18: ([2, 2, 2, 2], "basic", [64, 128, 256, 512]),
+    34: ([3, 4, 6, 3], "basic", [64, 128, 256, 512]),
+    50: ([3, 4, 6, 3], "bottleneck", [256, 512, 1024, 2048]),
+    101: ([3, 4, 23, 3], "bottleneck", [256, 512, 1024, 2048]),
+    152: ([3, 8, 36, 3], "bottleneck", [256, 512, 1024, 2048]),
+}
+
+
+def trainer_style(optimizer: type[torch.optim.Optimizer], clip: float | None, **options: Any) -> Any:
+    """An optimizer factory as the source's loop ran it: gradients clipped to ``clip`` before
+    the step (the HF Trainer's max_grad_norm), and zeroed in place (``zero_grad()`` of the
+    PyTorch of the time) rather than set to None."""
+
+    class Stepped(optimizer):  # type: ignore[misc,valid-type]
+        def step(self, closure: Any = None) -> Any:
+            if clip is not None:
+                params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+                nn.utils.clip_grad_norm_(params, clip, foreach=False)
+            return super().step(closure)
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.zero_()
+
+    return lambda params: Stepped(params, **options)
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNeXt bottleneck (stride in the grouped 3x3)."""
+
+    def __init__(self, inp: int, width: int, out: int, stride: int, groups: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(inp, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride, 1, groups=groups, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, out, 1, bias=False),
+            nn.BatchNorm2d(out),
+        )
+        self.down = None
+        if stride != 1 or inp != out:
+            self.down = nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False), nn.BatchNorm2d(out))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.relu(self.body(x) + (x if self.down is None else self.down(x)))
+
+
+def resnext(depths: list[int], groups: int = 32, group_width: int = 4, classes: int = 1000) -> nn.Module:
+    """ResNeXt-(depths) 32x4d: the stem, four stages of bottlenecks, pooling and the head."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+    inp = 64
+    for stage, depth in enumerate(depths):
+        width, out = groups * group_width * 2**stage, 256 * 2**stage
+        for block in range(depth):
+            layers.append(Bottleneck(inp, width, out, 2 if block == 0 and stage > 0 else 1, groups))
+            inp = out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inp, classes)]
+    return nn.Sequential(*layers)
+
+
+def _hf_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _vision_model(family: str) -> Callable[[], nn.Module]:
+    """A factory of the vision model ``family`` names ("resnet50", "resnext50", "vit_s16", ...)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    T = transformers
+    if family.startswith("resnext"):
+        depths = [3, 4, 6, 3] if family == "resnext50" else [3, 4, 23, 3]
+        return lambda: resnext(depths)
+    if family.startswith("resnet"):
+        depths, kind, widths = _RESNETS[int(family[6:])]
+        config: Any = T.ResNetConfig(depths=depths, layer_type=kind, hidden_sizes=widths, num_labels=1000)
+        return lambda: T.ResNetForImageClassification(config)
+    vit = {"vit_t16": (192, 3), "vit_s16": (384, 6), "vit_b16": (768, 12)}
+    if family in vit:
+        hidden, heads = vit[family]
+        config = T.ViTConfig(
+            hidden_size=hidden, num_attention_heads=heads, intermediate_size=4 * hidden, num_labels=1000
+        )
+        config._attn_implementation = "eager"  # timm's attention of the time: matmul, softmax, matmul
+        return lambda: T.ViTForImageClassification(config)
+    configs: dict[str, tuple[Any, Any]] = {
+        "efficientnet_b0": (
+            T.EfficientNetForImageClassification,
+            T.EfficientNetConfig(
+                width_coefficient=1.0, depth_coefficient=1.0, image_size=224, hidden_dim=1280, num_labels=1000
+            ),
+        ),
+        "mobilenetv2": (T.MobileNetV2ForImageClassification, T.MobileNetV2Config(tf_padding=False, num_labels=1000)),
+        "convnext_t": (T.ConvNextForImageClassification, T.ConvNextConfig(num_labels=1000)),
+        "convnext_s": (T.ConvNextForImageClassification, T.ConvNextConfig(depths=[3, 3, 27, 3], num_labels=1000)),
+        "swin_t": (T.SwinForImageClassification, T.SwinConfig(num_labels=1000)),
+        "swin_s": (T.SwinForImageClassification, T.SwinConfig(depths=[2, 2, 18, 2], num_labels=1000)),
+        "regnety_040": (T.RegNetForImageClassification, T.RegNetConfig(num_labels=1000)),
+    }
+    cls, config = configs[family]
+    return lambda: cls(config)
+
+
+def vision(family: str, *, channels_last: bool, momentum: float, image: int = 224, nesterov: bool = False) -> Workload:
+    """An image classifier trained with SGD on random images, as timm's and NVIDIA's benchmarks.
+
+    Args:
+        family: the model (see :func:`_vision_model`).
+        channels_last: model and batch in channels_last (NHWC) memory format.
+        momentum: SGD's momentum (timm 0.9 with Nesterov, DeepLearningExamples 0.875).
+        image: the image side.
+        nesterov: Nesterov momentum.
+    """
+    make = _vision_model(family)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    def model() -> nn.Module:
+        return make().to(memory_format=fmt)
+
+    def make_batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, image, image).to(memory_format=fmt), torch.randint(0, 1000, (n,))
+
+    def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(_hf_logits(m, batch[0]), batch[1])
+
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss=loss,
+        optimizer=trainer_style(torch.optim.SGD, None, lr=1e-4, momentum=momentum, nesterov=nesterov),
+        name=f"{family}{' NHWC' if channels_last else ''}, {image}x{image}",
+    )
+
+
+def bert_large_classifier(optimizer: str = "adamw") -> Workload:
+    """bert-large-uncased with a 2-class head, eager attention, sequences of 512 tokens."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.BertConfig(
+        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096, num_labels=2
+    )
+    config._attn_implementation = "eager"  # transformers 4.16 had no other
+
+    def make_batch(n: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(100, 30000, (n, 512)), "labels": torch.randint(0, 2, (n,))}
+
+    if optimizer == "adafactor":
+        make = trainer_style(
+            transformers.Adafactor, 1.0, lr=5e-5, scale_parameter=False, relative_step=False, warmup_init=False
+        )
+    else:
+        make = trainer_style(torch.optim.AdamW, 1.0, lr=5e-5, weight_decay=0.0, foreach=False)
+    return Workload(
+        model=lambda: transformers.BertForSequenceClassification(config),
+        make_batch=make_batch,
+        loss=lambda model, batch: model(**batch).loss,
+        optimizer=make,
+        name=f"bert-large-uncased classifier, seq 512, {optimizer}",
+    )
+
+
+def workload(key: str) -> Workload:
+    """The workload a row names: ``bert-large adamw``, ``bert-large adafactor``, or
+    ``FAMILY[/nhwc]/timm|dle`` (timm: SGD 0.9 Nesterov; dle: SGD 0.875)."""
+    if key.startswith("bert-large"):
+        return bert_large_classifier(key.split()[1])
+    family, *rest = key.split("/")
+    origin = rest[-1]
+    return vision(
+        family,
+        channels_last="nhwc" in rest,
+        momentum=0.9 if origin == "timm" else 0.875,
+        nesterov=origin == "timm",
+    )

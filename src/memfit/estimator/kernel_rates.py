@@ -1,0 +1,256 @@
+"""How fast each class of CUDA kernel runs on a card: the efficiencies, their sources, and
+the tile and wave quantization of matrix products.
+
+Why classes: one roofline for every kernel hides two errors that cancel (issue 22). A
+large matrix product reaches most of the tensor-core peak; a grouped convolution, whose
+per-group products are narrow, far less; a depthwise convolution does so little arithmetic
+per byte that it is a memory-bound kernel, and a slow one; element-wise kernels, norms,
+softmax and the optimizer stream memory at what the card achieves, not its datasheet peak;
+cuDNN transposes NCHW activations for its tensor-core kernels. Each class is timed here
+by its own rule (:func:`kernel_seconds`).
+
+Where each figure comes from (:data:`RATES` holds them; a reader can check each):
+
+- **matrix products** (cuBLAS) in 16 bits: :data:`GEMM_EFFICIENCY` of the peak, the median
+  of the NVIDIA rows of Stas Bekman's "Maximum Achievable Matmul FLOPS" table
+  (ml-engineering, compute/accelerator/README.md: A100 SXM 85.9 %, GH200 83.0 %, A100 PCIe
+  82.2 %, H100 SXM 80.1 %), for a product that fills the card; a smaller one loses to
+  **tile and wave quantization** (NVIDIA, "Matrix Multiplication Background User's Guide",
+  sections "Tile Quantization" and "Wave Quantization"): the output is cut into tiles of
+  :data:`TILE` (the guide's 256x128 and 128x128 examples; 128x128 here), one tile per SM per
+  wave, so a product of 120 tiles on a card of 108 SMs runs two waves for 1.11 waves' work.
+  cuBLAS splits K when there are fewer tiles than SMs (split-K), which this model allows
+  while each split keeps :data:`MIN_SPLIT_K` of K. fp32 without tf32 runs on the CUDA cores
+  at the same fraction of the fp32 peak (an assumption, stated).
+- **tf32** products (matmuls and convolutions on fp32 tensors where PyTorch allows tf32)
+  and **convolutions** (cuDNN) by kind: dense, grouped, depthwise. No published
+  microbenchmark gives these per card for the kernels PyTorch's training step runs, so they
+  come from a **calibration set** of published training throughputs
+  (``bench/predicted_speed.py``, rows marked ``calibration``: the RTX 3090 rows of timm's
+  benchmark CSVs for some models and Lambda's A100 80GB SXM ResNet-50 rows), fitted once by
+  ``python bench/predicted_speed.py --calibrate`` and checked only on the other rows
+  (other models, other cards, other sources). The fitted values are written below with
+  the date of the fit.
+- **memory-bound kernels** (element-wise, normalization, softmax, reductions, the
+  optimizer's foreach and fused kernels, gathers): :data:`STREAM_EFFICIENCY` of the peak
+  bandwidth, 750 GB/s of the V100's 900 GB/s measured by Jia et al., "Dissecting the NVIDIA
+  Volta GPU Architecture via Microbenchmarking" (arXiv:1804.06826, 2018). Depthwise
+  convolutions and NCHW<->NHWC transposes run below it (calibrated, as above).
+
+>>> round(gemm_utilisation(4096, 4096, 4096, 1, 108), 3)  # 1024 tiles: 9.48 waves in 10
+0.948
+>>> round(gemm_utilisation(8192, 8192, 8192, 1, None), 3)  # no SM count: no wave loss
+1.0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from enum import IntEnum
+
+from memfit.memory.gpus import GPU
+
+__all__ = [
+    "KernelClass",
+    "Rates",
+    "RATES",
+    "SM_COUNT",
+    "TILE",
+    "MIN_SPLIT_K",
+    "GEMM_EFFICIENCY",
+    "STREAM_EFFICIENCY",
+    "sm_count",
+    "gemm_utilisation",
+    "kernel_seconds",
+    "Mode",
+]
+
+
+class KernelClass(IntEnum):
+    """What a kernel is, as this module times it (stored in an ``array("b")``)."""
+
+    ELEMENTWISE = 0
+    GEMM = 1
+    CONV_DENSE = 2
+    CONV_GROUPED = 3
+    CONV_DEPTHWISE = 4
+    NORMALIZATION = 5
+    SOFTMAX = 6
+    REDUCTION = 7
+    OPTIMIZER = 8
+    ATTENTION = 9
+    #: a view, an allocation or a read of a value: no kernel
+    NONE = 10
+    #: cuDNN's NCHW<->NHWC transposes around a tensor-core convolution (time of a conv's
+    #: layout bytes; never an operation's own class)
+    LAYOUT = 11
+
+
+class Mode(IntEnum):
+    """The arithmetic a product runs in."""
+
+    HALF = 0  # fp16 or bf16 on the tensor cores
+    TF32 = 1  # fp32 tensors on tf32 tensor cores
+    FP32 = 2  # fp32 on the CUDA cores
+
+
+#: the output tile of one thread block of a matrix product (see the module)
+TILE = (128, 128)
+#: the least K one split of a split-K product keeps
+MIN_SPLIT_K = 256
+#: a product that fills the card, in 16 bits: fraction of the peak (see the module)
+GEMM_EFFICIENCY = 0.826
+#: a streaming kernel: fraction of the peak bandwidth (see the module)
+STREAM_EFFICIENCY = 750 / 900
+
+#: streaming multiprocessors per card (NVIDIA datasheets and architecture whitepapers: V100
+#: 80, T4 40, A100 108, A10 72, A30 56, A40 84, L4 58, L40/L40S 142, H100 SXM 132, H100 PCIe
+#: 114, B200 148; GeForce and RTX cards from their whitepapers' tables). A card missing here
+#: is timed without wave quantization.
+SM_COUNT: dict[str, int] = {
+    "V100 SXM2 16GB": 80,
+    "V100 SXM2 32GB": 80,
+    "V100 PCIe 16GB": 80,
+    "V100 PCIe 32GB": 80,
+    "V100S PCIe 32GB": 80,
+    "T4": 40,
+    "A10": 72,
+    "A10G": 80,
+    "A30": 56,
+    "A40": 84,
+    "A100 40GB": 108,
+    "A100 80GB PCIe": 108,
+    "A100 80GB SXM": 108,
+    "L4": 58,
+    "L40": 142,
+    "L40S": 142,
+    "H100 PCIe": 114,
+    "H100 SXM": 132,
+    "H100 NVL": 132,
+    "H200": 132,
+    "GH200": 132,
+    "B200": 148,
+    "RTX 2080 Ti": 68,
+    "RTX 3060 12GB": 28,
+    "RTX 3070": 46,
+    "RTX 3080 10GB": 68,
+    "RTX 3080 12GB": 70,
+    "RTX 3090": 82,
+    "RTX 3090 Ti": 84,
+    "RTX 4060 Ti 8GB": 34,
+    "RTX 4060 Ti 16GB": 34,
+    "RTX 4070": 46,
+    "RTX 4080": 76,
+    "RTX 4090": 128,
+    "RTX 5090": 170,
+    "RTX A4000": 48,
+    "RTX A5000": 64,
+    "RTX A6000": 84,
+    "RTX 6000 Ada": 142,
+}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The efficiencies of each kernel class (fractions of a peak; see the module).
+
+    Products: fractions of the peak of their :class:`Mode`. Memory-bound kernels:
+    fractions of the peak bandwidth.
+    """
+
+    gemm_half: float = GEMM_EFFICIENCY
+    gemm_fp32: float = GEMM_EFFICIENCY
+    #: tf32 products, matmuls and dense convolutions alike (calibrated)
+    tf32: float = 0.94
+    #: dense convolutions in 16 bits (calibrated)
+    conv_half: float = 0.88
+    #: grouped convolutions, as a fraction of the dense rate of their mode (calibrated)
+    grouped: float = 1.0
+    #: depthwise convolutions: fraction of the bandwidth (calibrated)
+    depthwise: float = 0.30
+    #: cuDNN's NCHW<->NHWC transposes: fraction of the bandwidth (calibrated)
+    layout: float = 0.62
+    stream: float = STREAM_EFFICIENCY
+
+    def with_values(self, **values: float) -> Rates:
+        """These rates with some replaced (the calibration's trials)."""
+        return replace(self, **values)
+
+
+#: the rates the prediction uses. The calibrated fields were fitted by
+#: ``python bench/predicted_speed.py --calibrate`` on the calibration rows only.
+RATES = Rates()
+
+
+def sm_count(gpu: GPU) -> int | None:
+    """The card's SM count, or None when the table does not know it."""
+    return SM_COUNT.get(gpu.name)
+
+
+def gemm_utilisation(m: float, n: float, k: float, batch: float, sms: int | None) -> float:
+    """The fraction of a full-card product's rate a product of ``batch`` x (m x k)(k x n)
+    reaches after tile and wave quantization (1.0 when the shape is unknown).
+
+    Args:
+        m: rows of the output.
+        n: columns of the output.
+        k: the reduced dimension.
+        batch: independent products in the call (bmm's batch; 1 for mm).
+        sms: the card's SM count (None: tiles only, no waves).
+    """
+    if m <= 0 or n <= 0:
+        return 1.0
+    tm, tn = TILE
+    tiles = math.ceil(m / tm) * math.ceil(n / tn) * max(1.0, batch)
+    useful = (m * n * max(1.0, batch)) / (tiles * tm * tn)
+    if sms is None:
+        return useful
+    blocks = tiles
+    if tiles < sms and k > 0:
+        split = max(1, min(sms // max(1, int(tiles)), int(k // MIN_SPLIT_K)))
+        blocks = tiles * split
+    waves = math.ceil(blocks / sms)
+    return useful * blocks / (waves * sms)
+
+
+def _product_rate(cls: KernelClass, mode: Mode, rates: Rates) -> float:
+    if mode == Mode.TF32:
+        base = rates.tf32
+    elif cls in (KernelClass.GEMM, KernelClass.ATTENTION):
+        base = rates.gemm_half if mode == Mode.HALF else rates.gemm_fp32
+    else:
+        base = rates.conv_half if mode == Mode.HALF else rates.gemm_fp32
+    return base * rates.grouped if cls == KernelClass.CONV_GROUPED else base
+
+
+def kernel_seconds(
+    cls: KernelClass,
+    mode: Mode,
+    flops: float,
+    nbytes: float,
+    *,
+    peak: float,
+    bandwidth: float,
+    rates: Rates,
+    utilisation: float = 1.0,
+) -> tuple[float, bool]:
+    """(seconds, bound by its FLOPs) of one kernel of ``cls``.
+
+    Args:
+        cls: the kernel's class.
+        mode: the arithmetic its products run in.
+        flops: its floating-point operations (0 for a memory-bound kernel).
+        nbytes: the bytes it reads and writes.
+        peak: the card's peak FLOP/s in ``mode`` (ignored without FLOPs).
+        bandwidth: the card's peak bandwidth in bytes/s.
+        rates: the efficiencies.
+        utilisation: the tile and wave quantization of a product (:func:`gemm_utilisation`).
+    """
+    if cls == KernelClass.CONV_DEPTHWISE:
+        return nbytes / (bandwidth * rates.depthwise), False
+    moving = nbytes / (bandwidth * rates.stream)
+    if flops <= 0 or peak <= 0:
+        return moving, False
+    computing = flops / (peak * _product_rate(cls, mode, rates) * max(utilisation, 1e-3))
+    return max(computing, moving), computing >= moving

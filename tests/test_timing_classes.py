@@ -1,0 +1,144 @@
+"""The timing model by kernel class (issue 22): matrix products with tile and wave
+quantization for the card's SM count, convolutions by kind and layout, memory-bound kernels
+at the achievable bandwidth, tf32 apart from 16 bits; and where the breakdown is shown."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.cli import main
+from memfit.estimator.kernel_classes import Classified
+from memfit.estimator.kernel_rates import RATES, SM_COUNT, TILE, KernelClass, gemm_utilisation
+from memfit.estimator.speed import record_step
+from memfit.estimator.timing import DType, Kind, OpCounter, predict
+from memfit.memory.gpus import GPUS, lookup
+from memfit.workload import Workload
+
+A100 = lookup("A100 80GB SXM")
+
+
+def product(m: int, n: int, k: int, dtype: DType = DType.HALF) -> OpCounter:
+    counter = OpCounter(step=0)
+    shape = Classified(KernelClass.GEMM, m, n, k, 1)
+    counter.add(Kind.MATMUL, 2 * m * n * k, 2 * (m * k + k * n + m * n), dtype, phase="forward", shape=shape)
+    return counter
+
+
+def test_one_tile_more_than_the_card_has_sms_costs_a_second_wave() -> None:
+    tm, tn = TILE
+    sms = SM_COUNT[A100.name]
+    assert sms == 108
+    k = 1 << 16
+    full = predict(product(tm * 12, tn * 9, k).trace(), A100, 1).compute_seconds
+    over = predict(product(tm * 12 + 1, tn * 9, k).trace(), A100, 1).compute_seconds
+    # 12 x 9 = 108 tiles: one wave; one row more: 13 x 9 = 117 tiles, two waves for 1/1536 more work
+    assert full > 0 and over / full == pytest.approx(2.0, rel=1e-6)
+    assert gemm_utilisation(tm * 12, tn * 9, k, 1, sms) == pytest.approx(1.0)
+
+
+def test_a_product_of_few_tiles_is_split_along_k_and_tiles_are_filled_partly() -> None:
+    # one 128x128 tile, K = 108 x 256: split K 108 ways, one full wave
+    assert gemm_utilisation(128, 128, 108 * 256, 1, 108) == pytest.approx(1.0)
+    # the same tile with a short K cannot be split: 1 of 108 SMs works
+    assert gemm_utilisation(128, 128, 256, 1, 108) == pytest.approx(1 / 108)
+    # a 129-row output fills two tiles' rows by 129 / 256
+    assert gemm_utilisation(129, 128, 256, 1, None) == pytest.approx(129 / 256)
+
+
+def test_every_card_of_the_table_has_an_sm_count() -> None:
+    assert {gpu.name for gpu in GPUS} <= set(SM_COUNT)
+
+
+def test_tf32_runs_at_its_own_efficiency_not_the_16_bit_one() -> None:
+    big = 8192
+    half = predict(product(big, big, big, DType.HALF).trace(), A100, 1).compute_seconds
+    tf32 = predict(product(big, big, big, DType.SINGLE).trace(), A100, 1, tf32_matmul=True).compute_seconds
+    assert A100.tf32 is not None and A100.fp16_tensor is not None
+    assert tf32 / half == pytest.approx((A100.fp16_tensor * RATES.gemm_half) / (A100.tf32 * RATES.tf32))
+
+
+def conv_net(groups: int, channels_last: bool) -> Workload:
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(64, 64, 3, padding=1, groups=groups, bias=False)
+            self.norm = nn.BatchNorm2d(64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.conv(x))
+
+    return Workload(
+        model=lambda: Net().to(memory_format=fmt),
+        make_batch=lambda n: torch.randn(n, 64, 28, 28).to(memory_format=fmt),
+        loss=lambda model, x: model(x).float().square().mean(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        name=f"conv groups={groups}",
+    )
+
+
+@pytest.mark.parametrize(("groups", "expected"), [(1, "conv_dense"), (8, "conv_grouped"), (64, "conv_depthwise")])
+def test_a_convolution_is_timed_by_its_kind(groups: int, expected: str) -> None:
+    trace = record_step(conv_net(groups, False), memfit.Settings(micro_batch_size=16, precision="fp16"))
+    classes = {KernelClass(c).name.lower() for c in trace.forward_backward.classes}
+    assert expected in classes and "normalization" in classes
+    assert {"conv_dense", "conv_grouped", "conv_depthwise"} & classes == {expected}
+    time = predict(trace, A100, 16)
+    assert time.by_class[expected] > 0 and "normalization" in time.by_class
+
+
+def test_cudnn_transposes_nchw_activations_on_tensor_cores_and_not_channels_last_ones() -> None:
+    settings = memfit.Settings(micro_batch_size=16, precision="fp16")
+    nchw = predict(record_step(conv_net(1, False), settings), A100, 16)
+    nhwc = predict(record_step(conv_net(1, True), settings), A100, 16)
+    # NCHW: the forward's input and output, the backward's gradient and input (the batch needs no
+    # gradient);
+    # channels_last: only the backward's NCHW gradient (of the loss), made channels_last first
+    assert nhwc.by_class.get("layout", 0) == pytest.approx(nchw.by_class["layout"] / 4)
+    fp32 = predict(record_step(conv_net(1, False), memfit.Settings(micro_batch_size=16)), A100, 16, tf32_conv=False)
+    assert "layout" not in fp32.by_class  # CUDA-core fp32 kernels run NCHW as it is
+
+
+def test_memory_bound_kernels_stream_at_the_achievable_bandwidth_by_class() -> None:
+    counter = OpCounter(step=0)
+    for cls in (KernelClass.ELEMENTWISE, KernelClass.SOFTMAX, KernelClass.REDUCTION):
+        counter.add(Kind.KERNEL, 0, 1e9, DType.HALF, phase="forward", shape=Classified(cls))
+    counter.add(Kind.KERNEL, 0, 1e9, DType.SINGLE, phase="optimizer")
+    time = predict(counter.trace(), A100, 1)
+    expected = 1e9 / (A100.bandwidth * RATES.stream)
+    for name in ("elementwise", "softmax", "reduction", "optimizer"):
+        assert time.by_class[name] == pytest.approx(expected)
+    assert time.bound_by in time.by_class
+
+
+def test_a_step_of_tiny_kernels_is_bound_by_the_host() -> None:
+    counter = OpCounter(step=0)
+    for _ in range(50):
+        counter.add(Kind.KERNEL, 0, 64, DType.SINGLE, phase="forward")
+    assert predict(counter.trace(), A100, 1).bound_by == "host"
+
+
+def test_estimate_json_and_text_show_the_time_by_kernel_class(capsys: pytest.CaptureFixture[str]) -> None:
+    ref = "mlp:layers=2,width=256,features=256"
+    assert main(["estimate", ref, "--gpu", "A100 80GB SXM", "--batch-size", "4096", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    classes = data["predicted_time"]["by_class"]
+    assert "gemm" in classes and data["predicted_time"]["bound_by"] in {*classes, "host"}
+    assert list(classes.values()) == sorted(classes.values(), reverse=True)
+    assert main(["estimate", ref, "--gpu", "A100 80GB SXM", "--batch-size", "4096"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Bound by" in out and "GPU time by kernel class" in out and "gemm" in out
+
+
+def test_the_report_page_shows_the_estimates_time_by_kernel_class() -> None:
+    from memfit.reporting.pages import results_html
+
+    estimate = memfit.estimate("mlp:layers=1,width=64,features=64", 64, gpu="RTX 4090", search=False)
+    page = "\n".join(results_html(estimate=estimate.to_dict(), figures={}))
+    assert "Predicted time by kernel class" in page and "gemm" in page
