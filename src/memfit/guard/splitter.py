@@ -283,6 +283,14 @@ class Splitter:
     see along their sequence dimension is refused (:class:`~memfit.guard.sequence.LayoutError`)
     before anything is split. Memory for events and errors is read from ``device``, else
     from the memfit device entered (``with memfit.device(...)``), else from CUDA.
+
+    Before the first split the user's loss is checked (:mod:`memfit.guard.check`, through
+    ``forward_backward(part, 1.0)`` on a few samples): ``share`` is then the weight it found
+    (``weighting``), and a loss that cannot split exactly is refused
+    (:class:`~memfit.guard.errors.SplitRefusedError`) unless ``exact=False``. With
+    ``check_finite`` (pass False under a GradScaler), a micro-batch that makes the gradient
+    NaN or infinite raises :class:`~memfit.guard.errors.NonFiniteGradientError`. Buffers and
+    generators are restored after every failed attempt and when an error escapes.
     """
 
     def __init__(
