@@ -485,3 +485,12 @@ def test_a_failed_step_under_a_grad_scaler_leaves_the_scaler_as_it_was() -> None
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=0.0)
     assert scaler.get_scale() == reference_scaler.get_scale()
+
+
+def test_dropout_does_not_hide_a_mean_loss_from_the_check() -> None:
+    """Masks drawn per call differ between a batch and its parts; the check draws constants instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    guard = _split_once(model, classify, (torch.randn(8, 6), torch.randint(0, 3, (8,))))
+    assert guard.splitter.weighting is not None and guard.splitter.weighting.name == "samples"
+    assert guard.accumulation == 3
