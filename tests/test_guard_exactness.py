@@ -453,3 +453,44 @@ def test_the_outputs_of_a_split_step_are_the_whole_batch_s() -> None:
     assert guard.accumulation == 3
     torch.testing.assert_close(guard.outputs["logits"], expected)
     assert not guard.outputs["logits"].requires_grad
+
+
+def test_a_failed_step_under_a_grad_scaler_leaves_the_scaler_as_it_was() -> None:
+    """before_step raises after the scaler unscaled: the retry unscales again and equals the plain scaled step."""
+    torch.manual_seed(0)
+    model, reference = nn.Linear(6, 3), nn.Linear(6, 3)
+    reference.load_state_dict(model.state_dict())
+    batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    raised = {"once": True}
+
+    def before_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if raised["once"]:
+            raised["once"] = False
+            raise ValueError("hook")
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, optimizer, classify, scaler=scaler, clip_grad_norm=1.0, before_step=before_step)
+    with pytest.raises(ValueError, match="hook"):
+        guard.step(batch)
+    assert scaler.get_scale() == 2.0**10 and all(p.grad is None for p in model.parameters())
+    guard.step(batch)  # would raise "unscale_() has already been called" with the failed step's record
+    reference_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference_scaler.scale(classify(reference, batch)).backward()
+    reference_scaler.unscale_(reference_optimizer)
+    nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0)
+    reference_scaler.step(reference_optimizer)
+    reference_scaler.update()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=0.0)
+    assert scaler.get_scale() == reference_scaler.get_scale()
+
+
+def test_dropout_does_not_hide_a_mean_loss_from_the_check() -> None:
+    """Masks drawn per call differ between a batch and its parts; the check draws constants instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    guard = _split_once(model, classify, (torch.randn(8, 6), torch.randint(0, 3, (8,))))
+    assert guard.splitter.weighting is not None and guard.splitter.weighting.name == "samples"
+    assert guard.accumulation == 3

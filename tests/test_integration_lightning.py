@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import Logger  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from memfit.errors import MemfitError  # noqa: E402
+from memfit.guard.check import checking  # noqa: E402
 from memfit.integrations.effective_batch import split_target  # noqa: E402
 from memfit.integrations.lightning import (  # noqa: E402
     MEMORY_METRICS,
@@ -233,6 +234,55 @@ def test_the_guard_recovers_an_oom_and_gives_the_unsplit_weights(caplog: pytest.
     assert callback.splitter.micro_batch_size is not None and callback.splitter.micro_batch_size < 1024
     assert_same_weights(model, reference)
     assert "training_step" not in vars(model)  # the wrapper is gone after fit
+
+
+class SummedRegression(Regression):
+    """The same MLP with a summed loss (as pytorch/examples' VAE): split micro-batches weigh 1 each."""
+
+    logged = 0
+    calls = 0
+    checked = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        SummedRegression.calls += 1
+        SummedRegression.checked += int(checking())
+        inputs, targets = batch
+        loss = torch.nn.functional.mse_loss(self.net(inputs), targets, reduction="sum") / 1024
+        self.log("train_loss", loss)
+        return loss
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        SummedRegression.logged += 1
+
+
+def test_the_guard_weights_a_summed_loss_as_the_check_finds_it() -> None:
+    def run(callbacks: list[pl.Callback]) -> tuple[pl.LightningModule, int]:
+        torch.manual_seed(0)
+        model = SummedRegression(1024)
+        SummedRegression.logged = SummedRegression.calls = SummedRegression.checked = 0
+        trainer = pl.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+        return model, SummedRegression.logged
+
+    reference, _ = run([])
+    callback = MemfitCallback(probe=False, monitor=False, device=TIGHT)
+    model, logged = run([callback])
+    assert callback.splitter is not None and callback.splitter.events
+    assert callback.splitter.weighting is not None and callback.splitter.weighting.name == "sum"
+    assert_same_weights(model, reference)
+    # the check ran once, on a few samples together and one by one: those calls logged nothing
+    # (nor did the calls that ran out of memory in forward, before their self.log)
+    in_forward = sum(e.where == "forward" for e in callback.splitter.events)
+    assert SummedRegression.checked >= 3
+    assert logged == SummedRegression.calls - SummedRegression.checked - in_forward
 
 
 def test_without_the_guard_the_same_run_runs_out_of_memory() -> None:

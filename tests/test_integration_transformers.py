@@ -19,14 +19,12 @@ import memfit
 
 transformers = pytest.importorskip("transformers")
 
-from memfit.integrations.transformers import (  # noqa: E402
-    MEMORY_METRICS,
-    MemfitTrainer,
-    micro_batch_factor,
-)
+from memfit.integrations.transformers import MEMORY_METRICS, MemfitTrainer  # noqa: E402
 
 #: a batch of 16 sequences runs out of memory in forward here; 8 fits
 TIGHT = "sim:4MiB"
+#: the same for the masked LM below
+TIGHT_BERT = "sim:4MiB"
 
 
 def dataset(samples: int = 32, length: int = 16) -> list[dict[str, torch.Tensor]]:
@@ -83,13 +81,6 @@ def assert_same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> N
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(
-    ("normalized", "share", "expected"), [(True, 0.25, 1.0), (False, 0.25, 0.25), (False, 1.0, 1.0)]
-)
-def test_micro_batch_factor(normalized: bool, share: float, expected: float) -> None:
-    assert micro_batch_factor(normalized, share) == expected
-
-
 def test_an_oom_mid_training_is_recovered_with_the_unsplit_weights(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -139,3 +130,70 @@ def test_memory_is_recorded_per_step_and_reported_in_the_logs(tmp_path: Path) ->
         {name: record[key] for name, key in MEMORY_METRICS.items()} for record in records
     ]
     assert all(r["peak_allocated"] > r["allocated"] > 0 for r in records)
+
+
+# -- a masked LM whose forward takes **kwargs but whose loss ignores num_items_in_batch ----------
+
+
+def masked_dataset(samples: int = 32, length: int = 16) -> list[dict[str, torch.Tensor]]:
+    """BERT-style masking: a different number of masked (target) positions per sample."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, 100, (samples, length), generator=generator)
+    labels = torch.full_like(ids, -100)
+    for i in range(samples):
+        count = 1 + i % 6
+        where = torch.randperm(length, generator=generator)[:count]
+        labels[i, where] = ids[i, where]
+        ids[i, where] = 4  # [MASK]
+    return [{"input_ids": i, "labels": target} for i, target in zip(ids, labels)]
+
+
+def train_masked_lm(cls: type, tmp: Path, **options: Any) -> tuple[Any, torch.nn.Module]:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.BertForMaskedLM(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp),
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=0.5,
+        optim="sgd",
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = cls(model=model, args=args, train_dataset=masked_dataset(), **options)
+    trainer.train()
+    return trainer, model
+
+
+def test_a_masked_lm_ignoring_num_items_in_batch_trains_as_the_plain_trainer(tmp_path: Path) -> None:
+    """The issue's case: ``model_accepts_loss_kwargs`` is true, the loss is a mean over masked tokens.
+
+    Trusting the flag (weight 1 per micro-batch) multiplied loss and gradient by the number
+    of micro-batches; the check weights each by its share of the masked tokens instead.
+    """
+    reference_trainer, reference = train_masked_lm(transformers.Trainer, tmp_path)
+    assert reference_trainer.model_accepts_loss_kwargs  # the flag that misled before
+    trainer, model = train_masked_lm(MemfitTrainer, tmp_path, memfit_device=TIGHT_BERT)
+    assert trainer.memfit_events, "the batch of 16 should have run out of memory"
+    assert trainer._memfit_splitter.weighting.name == "valid tokens of batch['labels']"
+    assert_same_weights(model, reference)
+    for key in ("loss", "grad_norm"):
+        got = [log[key] for log in trainer.state.log_history if key in log]
+        expected = [log[key] for log in reference_trainer.state.log_history if key in log]
+        assert got == pytest.approx(expected, rel=1e-5), key

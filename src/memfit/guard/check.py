@@ -105,6 +105,8 @@ def check_split(check: SplitCheck) -> Weighting:
             "Guard(..., exact=False) to split anyway"
         )
         weighting = None
+    elif check.samples < 2:  # this rank runs its one sample whole; it only takes part in the agreement
+        weighting = unchecked(check.weight)
     else:
         if norms:
             warnings.warn(

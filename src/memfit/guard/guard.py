@@ -79,7 +79,9 @@ class Guard:
     :meth:`step` runs forward and backward over the whole batch, split on OOM (see
     :class:`~memfit.guard.splitter.Splitter`), then ``optimizer.step()`` (through
     ``scaler`` if given) and ``zero_grad``, and returns the batch's loss. The update equals
-    the whole batch's: each micro-batch's loss is weighted by its share of the samples.
+    the whole batch's: each micro-batch's loss is weighted as the check before the first
+    split found the loss to reduce (by its share of the samples, 1 for a sum, its share of
+    the valid tokens), or the split is refused (:class:`~memfit.guard.errors.SplitRefusedError`).
     Gradient clipping (``clip_grad_norm``, or any ``before_step``) runs on that whole
     gradient, so a clipped update equals the unsplit clipped update too.
 

@@ -265,4 +265,4 @@ def _off(module: nn.Module, args: Any) -> None:
 
 
 def _back(module: nn.Module, args: Any, output: Any) -> None:
-    module.training = bool(getattr(module, "_memfit_training", module.training))
+    module.training = bool(module.__dict__.pop("_memfit_training", module.training))

@@ -133,15 +133,12 @@ class RngState:
             torch.cuda.set_rng_state_all(self.cuda)
 
 
-@dataclass
-class _StateEntry:
-    counters: dict[str, torch.Tensor]
-    versions: dict[str, int]
-    refs: dict[str, Any]
-
-
 class OptimizerSnapshot:
     """What ``optimizer.step()`` may change, saved before it (no copy of the state tensors).
+
+    Why this cheap: it runs before every step. The counters (0-dimensional tensors, such
+    as Adam's ``step``) are copied in one ``torch.stack`` per device; the rest is references
+    and version counters.
 
     Args:
         optimizer: the optimizer about to step.
@@ -151,29 +148,35 @@ class OptimizerSnapshot:
         self.optimizer = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.param_versions = [p._version for p in self.params]
-        self.state: dict[int, _StateEntry] = {}
+        self.state: dict[int, dict[str, Any]] = {}
+        self.watched: list[tuple[torch.Tensor, int]] = []
+        counters: dict[torch.device, list[torch.Tensor]] = {}
         for param, state in optimizer.state.items():
-            counters = {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
-            versions = {k: v._version for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-            self.state[id(param)] = _StateEntry(counters, versions, dict(state))
+            self.state[id(param)] = dict(state)
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    if value.dim() == 0:
+                        counters.setdefault(value.device, []).append(value)
+                    else:
+                        self.watched.append((value, value._version))
+        self.counters = [(tensors, torch.stack(tensors)) for tensors in counters.values()]
 
     def restore(self) -> str | None:
         """Put the state back; returns why it could not be (a tensor changed in place), else None."""
         changed = sum(1 for p, v in zip(self.params, self.param_versions) if p._version != v)
+        changed += sum(1 for tensor, version in self.watched if tensor._version != version)
         for param in list(self.optimizer.state):
-            entry = self.state.get(id(param))
-            if entry is None:
+            refs = self.state.get(id(param))
+            if refs is None:
                 del self.optimizer.state[param]  # made by the failed step
                 continue
             state = self.optimizer.state[param]
-            changed += sum(
-                1 for k, v in entry.versions.items() if state.get(k) is not entry.refs.get(k) or state[k]._version != v
-            )
             state.clear()
-            state.update(entry.refs)
-            with torch.no_grad():
-                for key, value in entry.counters.items():
-                    state[key].copy_(value)
+            state.update(refs)
+        with torch.no_grad():
+            for tensors, saved in self.counters:
+                for tensor, value in zip(tensors, saved):
+                    tensor.copy_(value)
         if changed:
             return (
                 f"optimizer.step() had already changed {changed} parameter or state tensor(s) in place when it "

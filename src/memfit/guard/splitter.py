@@ -4,7 +4,9 @@ A run that dies at epoch 3 because one batch held the longest sequences is the m
 expensive OOM there is. The guard runs each optimizer step over the whole batch first;
 when forward or backward runs out of memory it throws away the batch's partial
 gradients, halves the micro-batch and runs the same batch again in micro-batches whose
-losses are weighted by their share of the samples (or of ``weight``), so the gradient,
+losses are weighted as the loss reduces (checked once on the user's own loss: by their
+share of the samples, by 1 for a sum, by their share of the valid tokens or of ``weight``;
+a loss that cannot be split exactly is refused), so the gradient,
 and the update, equal the whole batch's. No sample is dropped or counted twice, the
 learning-rate schedule and the step count are untouched, and the smaller size stays
 for the next steps (``grow_after=K`` tries a larger one again after K clean steps).
@@ -269,9 +271,10 @@ class Splitter:
 
     ``forward_backward(micro_batch, share)`` must run forward and backward on the
     micro-batch with its loss multiplied by ``share`` before ``backward()``, and return
-    the micro-batch's own (unweighted) loss. ``share`` is the micro-batch's fraction of
-    the samples, or ``weight(micro_batch) / weight(batch)``; the shares sum to 1, so the
-    accumulated gradient is the whole batch's.
+    the micro-batch's own (unweighted) loss. ``share`` is the micro-batch's weight under
+    the loss's reduction, as the check found it (:attr:`weighting`): its fraction of the
+    samples, of the valid tokens or of ``weight(batch)`` (shares summing to 1), or 1 for a
+    summed loss; so the accumulated gradient is the whole batch's.
 
     After a successful :meth:`run` the parameters' ``.grad`` hold the whole batch's
     gradient (plus whatever gradient they held before, which an OOM never touches);
@@ -283,6 +286,14 @@ class Splitter:
     see along their sequence dimension is refused (:class:`~memfit.guard.sequence.LayoutError`)
     before anything is split. Memory for events and errors is read from ``device``, else
     from the memfit device entered (``with memfit.device(...)``), else from CUDA.
+
+    Before the first split the user's loss is checked (:mod:`memfit.guard.check`, through
+    ``forward_backward(part, 1.0)`` on a few samples): ``share`` is then the weight it found
+    (``weighting``), and a loss that cannot split exactly is refused
+    (:class:`~memfit.guard.errors.SplitRefusedError`) unless ``exact=False``. With
+    ``check_finite`` (pass False under a GradScaler), a micro-batch that makes the gradient
+    NaN or infinite raises :class:`~memfit.guard.errors.NonFiniteGradientError`. Buffers and
+    generators are restored after every failed attempt and when an error escapes.
     """
 
     def __init__(
@@ -366,9 +377,13 @@ class Splitter:
                 self._fsdp = fsdp
                 while True:
                     size = self.policy.size_for(samples)
-                    total_weight = None
-                    if size < samples:
-                        total_weight = self._prepare_split(batch, samples, forward_backward)
+                    # In a process group every rank checks at the same attempt (the check agrees
+                    # on its verdict): a retry, or a preset limit, is the same on every rank,
+                    # even where this rank's batch is small enough to run whole.
+                    split_somewhere = size < samples or (
+                        (attempts > 0 or limit is not None) and distributed.is_distributed()
+                    )
+                    total_weight = self._prepare_split(batch, samples, forward_backward) if split_somewhere else None
                     attempts += 1
                     attempt = self._attempt(batch, samples, size, total_weight, forward_backward)
                     if fsdp is not None:
@@ -606,7 +621,7 @@ class Splitter:
             if self.on_discard is not None:
                 self.on_discard()  # the check's passes leave nothing for the caller to keep
         total = self.weighting.total(batch)
-        if total is not None and not total > 0:
+        if total is not None and not total > 0 and self.policy.size_for(samples) < samples:
             raise MemfitError(
                 f"{self.weighting.name} of the batch is {total}: it must be positive to weight micro-batches by it"
             )

@@ -50,6 +50,7 @@ from torch import nn
 from memfit import distributed
 from memfit.errors import MemfitError
 from memfit.guard import Splitter, add_gradients, set_aside_gradients
+from memfit.guard.check import checking
 from memfit.integrations.effective_batch import split_target
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
@@ -191,6 +192,25 @@ def _without_trainer(module: pl.LightningModule) -> Iterator[None]:
         module._trainer = trainer
 
 
+@contextlib.contextmanager
+def _logging_muted(module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` do nothing inside (the guard's check of the loss).
+
+    Why: the check runs ``training_step`` on parts of a batch once, before the first split;
+    what it logs would reach Lightning's epoch accumulators as if they were batches.
+    """
+    module.log = _ignore
+    module.log_dict = _ignore
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def _ddp_model(trainer: pl.Trainer) -> nn.parallel.DistributedDataParallel | None:
     model = getattr(trainer.strategy, "model", None)
     return model if isinstance(model, nn.parallel.DistributedDataParallel) else None
@@ -216,6 +236,7 @@ class MemfitCallback(pl.Callback):
         grow_after: as in :class:`memfit.Guard`.
         split: as in :class:`memfit.Guard`.
         weight: as in :class:`memfit.Guard`.
+        exact: as in :class:`memfit.Guard`: refuse a split that would change the gradient.
         monitor_path: JSON lines for ``memfit report`` (``{rank}`` is the rank).
     """
 
@@ -235,6 +256,7 @@ class MemfitCallback(pl.Callback):
         grow_after: int | None = None,
         split: Callable[[Any, int], Any] | None = None,
         weight: Callable[[Any], Any] | None = None,
+        exact: bool = True,
         monitor_path: str | None = None,
     ) -> None:
         if target_batch_size is not None and not probe:
@@ -252,6 +274,7 @@ class MemfitCallback(pl.Callback):
         self.grow_after = grow_after
         self.split = split
         self.weight = weight
+        self.exact = exact
         self.monitor_path = monitor_path
         #: what the probe found (None before fit start or with probe=False)
         self.result: ProbeResult | None = None
@@ -420,6 +443,9 @@ class MemfitCallback(pl.Callback):
             weight=self.weight,
             grow_after=self.grow_after,
             device=self._device,
+            exact=self.exact,
+            # With a GradScaler (16-mixed), inf gradients are the scaler's to skip, not an error.
+            check_finite=getattr(trainer.precision_plugin, "scaler", None) is None,
         )
         splitter = self.splitter
 
@@ -429,7 +455,8 @@ class MemfitCallback(pl.Callback):
             extras: dict[str, Any] = {}
 
             def forward_backward(micro: Any, share: float) -> torch.Tensor:
-                output = training_step(micro, *args, **kwargs)
+                with _logging_muted(pl_module) if checking() else contextlib.nullcontext():
+                    output = training_step(micro, *args, **kwargs)
                 loss = loss_of(output)
                 if isinstance(output, Mapping):
                     extras.clear()

@@ -8,15 +8,16 @@ batch runs again in halves; the learning-rate schedule, the global step and the
 effective batch stay as they were (the Trainer's ``auto_find_batch_size`` instead
 restarts the loop with a smaller batch).
 
-The gradient is the unsplit one, with the Trainer's own normalization:
-
-- when the loss is normalized by ``num_items_in_batch`` (models that accept loss kwargs,
-  such as GPT-2 and Llama, or a ``compute_loss_func``), every micro-batch gets the same
-  ``num_items_in_batch``, so its loss is its part of the batch's token sum and the
-  micro-batches' gradients add up to the batch's as they are;
-- otherwise the loss is a mean over the micro-batch: it is weighted by the micro-batch's
-  share of the samples (or of ``memfit_weight(inputs)``, such as a token count), and the
-  Trainer divides it by the accumulation steps as usual.
+The gradient is the one the ordinary Trainer computes for the batch. Every micro-batch
+gets the batch's ``num_items_in_batch``, and how the micro-batches must be weighted is not
+read from the Trainer's flags (``model_accepts_loss_kwargs`` is true for any model whose
+``forward`` takes ``**kwargs``, also when its loss ignores ``num_items_in_batch``, as BERT's
+masked-LM loss does) but checked on the model's own loss before the first split (see
+:mod:`memfit.guard.check`): a loss divided by the batch's ``num_items_in_batch`` adds up as it
+is (weight 1), a mean over the micro-batch's valid tokens is weighted by its share of them,
+a mean over samples by its share of the samples (or of ``memfit_weight(inputs)``). A loss
+that does not split exactly is refused before anything is split. The Trainer's own
+scaling (its division by the accumulation steps) applies to the micro-batches as to the batch.
 
 ``MemoryCallback`` records memory at every step end with a :class:`memfit.Monitor` and
 adds ``memfit/allocated``, ``memfit/reserved``, ``memfit/peak_allocated`` and
@@ -50,7 +51,7 @@ from memfit.monitor.monitor import Monitor
 #: transformers' own logger for this module (its verbosity settings apply)
 logger = transformers.utils.logging.get_logger(__name__)
 
-__all__ = ["MemfitTrainer", "MemoryCallback", "MemfitCallback", "micro_batch_factor", "MEMORY_METRICS"]
+__all__ = ["MemfitTrainer", "MemoryCallback", "MemfitCallback", "MEMORY_METRICS"]
 
 #: the logged metric names, and the monitor record field each one reads
 MEMORY_METRICS = {
@@ -59,19 +60,6 @@ MEMORY_METRICS = {
     "memfit/peak_allocated": "peak_allocated",
     "memfit/peak_reserved": "peak_reserved",
 }
-
-
-def micro_batch_factor(loss_is_normalized_by_batch: bool, share: float) -> float:
-    """What a micro-batch's loss is multiplied by so the micro-batches add up to the batch.
-
-    Why two cases: a loss already divided by the batch's ``num_items_in_batch`` is a part
-    of the batch's sum and adds up as it is; a mean over the micro-batch must be
-    weighted by the micro-batch's share.
-
-    >>> micro_batch_factor(True, 0.25), micro_batch_factor(False, 0.25)
-    (1.0, 0.25)
-    """
-    return 1.0 if loss_is_normalized_by_batch else share
 
 
 class MemoryCallback(transformers.TrainerCallback):
@@ -141,8 +129,8 @@ class MemfitTrainer(transformers.Trainer):
 
     Extra keyword arguments (all optional): ``memfit_device`` (see the module docstring),
     ``memfit_monitor`` (default True: add a :class:`MemoryCallback` on that device),
-    ``memfit_grow_after``, ``memfit_split`` and ``memfit_weight`` (as ``grow_after``,
-    ``split`` and ``weight`` of :class:`memfit.Guard`). ``trainer.memfit_events`` lists
+    ``memfit_grow_after``, ``memfit_split``, ``memfit_weight`` and ``memfit_exact`` (as
+    ``grow_after``, ``split``, ``weight`` and ``exact`` of :class:`memfit.Guard`). ``trainer.memfit_events`` lists
     the OOMs recovered.
     """
 
@@ -154,6 +142,7 @@ class MemfitTrainer(transformers.Trainer):
         memfit_grow_after: int | None = None,
         memfit_split: Callable[[Any, int], Any] | None = None,
         memfit_weight: Callable[[Any], Any] | None = None,
+        memfit_exact: bool = True,
         **kwargs: Any,
     ) -> None:
         self.memfit_device = make_device(memfit_device) if memfit_device is not None else None
@@ -161,6 +150,7 @@ class MemfitTrainer(transformers.Trainer):
             "grow_after": memfit_grow_after,
             "split": memfit_split,
             "weight": memfit_weight,
+            "exact": memfit_exact,
         }
         self._memfit_splitter: Splitter | None = None
         self._memfit_factor = 1.0
@@ -212,17 +202,17 @@ class MemfitTrainer(transformers.Trainer):
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         splitter = self._splitter()
-        normalized = self._loss_is_normalized_by_batch(num_items_in_batch)
         parent: Any = super()  # transformers.Trainer (untyped to the checker)
 
         def forward_backward(micro: Any, share: float) -> float:
-            self._memfit_factor = micro_batch_factor(normalized, share)
+            # share: the splitter's weight for this micro-batch, as checked on this loss
+            self._memfit_factor = share
             try:
                 loss = parent.training_step(model, micro, num_items_in_batch)
             finally:
                 self._memfit_factor = 1.0
-            # The splitter weights what this returns by ``share`` to report the batch's
-            # loss; undo that for a loss that is already the micro-batch's part.
+            # The Trainer returns the loss it backpropagated (times share); the splitter wants
+            # the micro-batch's own, and weights it by share itself.
             return float(loss) / share if share > 0 else 0.0
 
         ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
@@ -242,15 +232,9 @@ class MemfitTrainer(transformers.Trainer):
     def _splitter(self) -> Splitter:
         if self._memfit_splitter is None:
             module = self.accelerator.unwrap_model(self.model)
-            self._memfit_splitter = Splitter(module, device=self.memfit_device, **self._memfit_options)
+            # With a GradScaler (fp16), inf gradients are the scaler's to skip, not an error.
+            finite = getattr(self.accelerator, "scaler", None) is None
+            self._memfit_splitter = Splitter(
+                module, device=self.memfit_device, check_finite=finite, **self._memfit_options
+            )
         return self._memfit_splitter
-
-    def _loss_is_normalized_by_batch(self, num_items_in_batch: Any) -> bool:
-        """The Trainer's own test (``Trainer.training_step``): is the loss divided by ``num_items_in_batch``?"""
-        scaled = getattr(self, "loss_is_scaled_for_ga", None)
-        if scaled is not None:
-            return bool(scaled)
-        return bool(
-            (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
-            or getattr(self, "compute_loss_func", None) is not None
-        )
