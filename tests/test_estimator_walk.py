@@ -100,7 +100,10 @@ def walk(call: Callable[[], object]) -> list[tuple[str, str]]:
     in the order of first calls, while ``call()`` runs (every thread)."""
     read: set[Any] = set()
     walked: list[tuple[str, str]] = []
-    generators: list[FrameType] = []  # frames of the generators already called (kept alive: ids stay unique)
+    # where each generator's code starts: a call event elsewhere is a generator resumed. Why
+    # not keep its frames: they hold the step's tensors, and measure counts what a run leaves
+    # on the device.
+    starts: dict[Any, int] = {}
 
     def profile(frame: FrameType, event: str, _arg: object) -> None:
         if event != "call":
@@ -108,10 +111,8 @@ def walk(call: Callable[[], object]) -> list[tuple[str, str]]:
         code = frame.f_code
         if code in read or not code.co_filename.startswith(str(SOURCE)):
             return
-        if code.co_flags & _GENERATOR:
-            if any(frame is called for called in generators):
-                return  # a generator resumed: its function was read at its first call
-            generators.append(frame)
+        if code.co_flags & _GENERATOR and starts.setdefault(code, frame.f_lasti) != frame.f_lasti:
+            return  # a generator resumed: its function was read at its first call
         if follows_workload(frame):
             read.add(code)
             walked.append((str(Path(code.co_filename).relative_to(SOURCE)), code.co_qualname))
