@@ -40,7 +40,7 @@ def check_strategy(shard: str, world_size: int, group_size: int | None = None) -
 
     >>> check_strategy("optimizer", world_size=4, group_size=2)
     Traceback (most recent call last):
-    memfit.errors.MemfitError: --shard-group-size applies to --shard gradients or full (FSDP2), not optimizer
+    memfit.errors.MemfitError: --shard-group-size applies to --shard gradients, full or offload (FSDP2), not optimizer
     """
     if world_size < 1:
         raise MemfitError(f"invalid world size {world_size}: must be at least 1")
