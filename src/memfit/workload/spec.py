@@ -3,7 +3,10 @@
 A workload is four things (and, optionally, which modules FSDP2 shards as units): the model (a module, or a zero-argument factory that builds a
 fresh one), ``make_batch(batch_size)`` returning a batch at worst-case shapes (the
 longest sequence, the largest image), ``loss(model, batch)`` returning a scalar, and
-``optimizer(params)`` (AdamW by default).
+``optimizer(params)`` (AdamW by default). Given the training data, make it with
+:func:`memfit.workload.worst_case_batches` (``make_batch=worst_case_batches(loader)``):
+the dataset's largest samples, collated as the DataLoader collates them, found without
+loading the data; probe then names the sample that sets the limit.
 
 A workload *reference* (a zoo name, ``file.py:function``, ``module:function``) is
 resolved by :mod:`memfit.workload.references`.
