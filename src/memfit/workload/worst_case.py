@@ -82,7 +82,7 @@ def _worst_first(sizes: Sequence[Size]) -> list[int]:
     return leading + [i for i in by_elements if i not in leading]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: compared (and hashed) by identity, as the dataset is
 class WorstCase:
     """``make_batch(n)`` of a dataset's worst case (see the module)."""
 
