@@ -151,6 +151,12 @@ def command(
     console.print(trials_table(result, gpu))
     console.print(trials_legend(result, gpu))
     console.print(summary(result))
+    worst = result.extra.get("worst_case")
+    if worst is not None:
+        console.print(
+            f"worst case: sample {worst['sample']} (size {tuple(worst['size'])}) of {worst['samples']:,} sets the "
+            f"limit; every batch tried held the largest samples (sizes from {worst['found_by']})"
+        )
     if plot_path is not None:
         console.print(f"plot: {plot_path}")
 

@@ -54,7 +54,7 @@ from memfit.search.eval_probe import EvalTrials, EvaluationMode, check_evaluatio
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom, next_headroom_batch, repeatable, within_budget
 from memfit.search.trials import TRIAL_KINDS, TrialKind, Trials, choose_trials
 from memfit.units import format_size
-from memfit.workload import Workload, load_workload
+from memfit.workload import Workload, WorstCase, load_workload
 
 __all__ = [
     "probe",
@@ -478,7 +478,10 @@ def probe(
     result = _agree(probed.found if probed else None, failure, request)
     fake = sum(1 for t in result.trials if t.fake)
     note, rehearsed = (probed.note, probed.rehearsed) if probed else (None, {})
-    evaluated = {"evaluation": mode} if mode is not None else {}
+    evaluated: dict[str, Any] = {"evaluation": mode} if mode is not None else {}
+    batches = request.workload.make_batch
+    if isinstance(batches, WorstCase):  # which sample sets the limit
+        evaluated["worst_case"] = batches.describe()
     return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed, **evaluated})
 
 

@@ -13,6 +13,11 @@ form is for code whose optimizer needs the modules themselves (minGPT's
 ``configure_optimizers`` sorts weights into decay / no-decay groups by module type):
 ``optimizer=lambda model: model.configure_optimizers(train_config)``.
 
+Given the training data, make ``make_batch`` with :func:`memfit.workload.worst_case_batches`
+(``make_batch=worst_case_batches(loader)``): the dataset's largest samples, collated as the
+DataLoader collates them, found without loading the data; probe then names the sample that
+sets the limit.
+
 A workload *reference* (a zoo name, ``file.py:function``, ``module:function``) is
 resolved by :mod:`memfit.workload.references`.
 
