@@ -345,7 +345,10 @@ def test_a_workload_names_its_fsdp2_units() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"world_size": 4, "shard": "optimizer", "shard_group_size": 2}, "applies to --shard gradients, full or offload"),
+        (
+            {"world_size": 4, "shard": "optimizer", "shard_group_size": 2},
+            "applies to --shard gradients, full or offload",
+        ),
         ({"world_size": 6, "shard": "full", "shard_group_size": 4}, "must divide the world size 6"),
         ({"world_size": 0}, "invalid world size 0"),
         ({"shard": "zero9"}, "unknown shard mode"),
