@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from memfit.estimator.estimate import estimate
 from memfit.units import GiB, MiB
@@ -90,6 +91,19 @@ def test_the_bert_workload_holds_one_fp32_score_tensor_a_layer_more_than_the_ins
     installed = estimate(published.bert_large(**tiny, attention="eager"), batch, memory="1GiB", search=False)
     scores = batch * heads * seq * seq * 4  # one fp32 (batch, heads, seq, seq) tensor
     assert as_measured.breakdown["activations"] - installed.breakdown["activations"] == layers * scores
+
+
+def test_each_reproduction_of_older_software_can_be_removed_from_its_rows(published: ModuleType) -> None:
+    """The headline is shown with and without the era reproductions: a BERT row's installed
+    workload runs the installed torch's softmax (eager attention), a ViT row's the installed
+    torch's Adam; the GPT-2 row reproduces nothing."""
+    bert, vit, gpt2 = (_row(published, k) for k in ("bert-fp32-b4", "vit-fp32-b64", "gpt2-fp32-b8"))
+    assert bert.installed == {"attention": "eager"} and gpt2.installed is None and gpt2.installed_workload() is None
+    era = vit.tiny_workload().optimizer(nn.Linear(2, 2).parameters())
+    plain = vit.builder(**{**vit.options, **vit.installed, **published._TINY["ViT"]})
+    now = plain.optimizer(nn.Linear(2, 2).parameters())
+    assert isinstance(era, published.Adam2023) and not isinstance(now, published.Adam2023)
+    assert isinstance(now, torch.optim.Adam)
 
 
 def test_the_trainers_zero_grad_of_2022_keeps_gradients_through_the_next_forward(published: ModuleType) -> None:

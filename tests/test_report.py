@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import memfit
 from memfit._html import html_table, is_byte_key, to_html
 from memfit._io import write_atomically
 from memfit._plot import png_bytes
@@ -292,6 +293,31 @@ def test_a_plan_ranked_by_predicted_speed_plots_that_speed_for_every_candidate_t
     assert lines_of(axes)["Pareto front"] == [(900 * at, 5000.0), (980 * at, 3000.0)]
     measured = plan_figure({**PLAN, "ranked_by": "measured", "device": "cuda:0"})
     assert measured.axes[0].get_ylabel() == "samples/s measured on cuda:0"
+
+
+def test_a_probe_chart_on_a_simulated_gpu_shows_the_cards_predicted_speed(one_thread):
+    """On sim: the trials time the CPU; the chart shows each fitting batch's speed predicted on
+    the simulated GPU's card (the default one for a bare size, named), fake trials included."""
+    from memfit.estimator.speed import DEFAULT_SPEED_GPU, step_time
+    from memfit.search.probe_speeds import with_predicted_speeds
+
+    workload, gpu = memfit.load_workload("mlp:layers=1,width=16,features=32"), memfit.device("sim:4MiB")
+    result = memfit.probe(workload, gpu, max_batch_size=16)
+    charted = with_predicted_speeds(result.to_dict(), workload, memfit.Settings(), gpu)
+    assert charted["speed_gpu"] == DEFAULT_SPEED_GPU
+    fitting = [t for t in charted["trials"] if t["fits"]]
+    assert fitting and any(t["fake"] for t in fitting)
+    for t in fitting:
+        expected = step_time(workload, memfit.Settings(micro_batch_size=t["batch_size"]), DEFAULT_SPEED_GPU)
+        assert t["predicted_samples_per_second"] == expected.samples_per_second
+    (_memory, twin) = probe_figure(charted).axes
+    assert twin.get_ylabel() == f"samples/s predicted on the {DEFAULT_SPEED_GPU}"
+    by_batch = sorted(fitting, key=lambda t: t["batch_size"])  # one point a trial, as the chart sorts them
+    plotted = [(t["batch_size"], t["predicted_samples_per_second"]) for t in by_batch]
+    assert [tuple(p) for p in twin.get_lines()[0].get_xydata().tolist()] == plotted
+    # a model instance's fake steps would step the script's own optimizer: no prediction
+    instance = memfit.Workload(workload.build_model(), workload.make_batch, workload.loss, name="script")
+    assert with_predicted_speeds(result.to_dict(), instance, memfit.Settings(), gpu) == result.to_dict()
 
 
 def timeline_records(steps: int = 4) -> list[dict]:

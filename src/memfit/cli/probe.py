@@ -143,8 +143,10 @@ def command(
     if plot_path is not None:
         from memfit._io import write_atomically
         from memfit.reporting.figures import probe_png
+        from memfit.search.probe_speeds import with_predicted_speeds
 
-        write_atomically(plot_path, probe_png(result.to_dict()) or b"")
+        charted = with_predicted_speeds(result.to_dict(), wl, settings, gpu)  # the card's speed, not the CPU's
+        write_atomically(plot_path, probe_png(charted) or b"")
     if as_json:
         print_json(result.to_dict())
         return

@@ -16,7 +16,16 @@ from memfit.units import format_size
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["probe_png", "estimate_png", "plan_png", "probe_figure", "estimate_figure", "plan_figure", "plan_speed"]
+__all__ = [
+    "probe_png",
+    "estimate_png",
+    "plan_png",
+    "probe_figure",
+    "estimate_figure",
+    "plan_figure",
+    "plan_speed",
+    "probe_speed",
+]
 
 
 def probe_png(probe: Mapping[str, Any]) -> bytes | None:
@@ -106,11 +115,8 @@ def probe_figure(probe: Mapping[str, Any]) -> Figure | None:
     axes.set_ylabel(unit)
     axes.set_ylim(bottom=0)
     axes.grid(True, alpha=0.3)
-    speeds = [
-        (t["batch_size"], t["samples_per_second"])
-        for t in fitting
-        if isinstance(t.get("samples_per_second"), (int, float))
-    ]
+    speed, speed_label = probe_speed(probe)
+    speeds = [(t["batch_size"], t[speed]) for t in fitting if isinstance(t.get(speed), (int, float))]
     if speeds:
         twin = axes.twinx()
         twin.plot(
@@ -122,7 +128,7 @@ def probe_figure(probe: Mapping[str, Any]) -> Figure | None:
             markersize=3,
             label="samples/s",
         )
-        twin.set_ylabel(probe_speed_label(probe))
+        twin.set_ylabel(speed_label)
         twin.set_ylim(bottom=0)
         lines, labels = axes.get_legend_handles_labels()
         more_lines, more_labels = twin.get_legend_handles_labels()
@@ -133,18 +139,25 @@ def probe_figure(probe: Mapping[str, Any]) -> Figure | None:
     return figure
 
 
-def probe_speed_label(probe: Mapping[str, Any]) -> str:
-    """Whose speed a probe's samples/s is: the trials' device, and on a simulated GPU the
-    CPU's (a probe times its real trials; no GPU speed is predicted per trial).
+def probe_speed(probe: Mapping[str, Any]) -> tuple[str, str]:
+    """The trials' speed a probe chart shows, as (key of a trial, axis label): the speed
+    predicted on the named card where the trials carry it (a simulated GPU:
+    :func:`memfit.search.probe_speeds.with_predicted_speeds`), else the measured one, saying
+    whose it is (on a simulated GPU, the CPU's).
 
-    >>> probe_speed_label({"device": "sim:8GiB"})
+    >>> probe_speed({"device": "sim:8GiB", "speed_gpu": "RTX 4090", "trials": [{"predicted_samples_per_second": 9.0}]})
+    ('predicted_samples_per_second', 'samples/s predicted on the RTX 4090')
+    >>> probe_speed({"device": "sim:8GiB", "trials": [{"samples_per_second": 3.0}]})[1]
     'samples/s measured on sim:8GiB (the CPU, not a GPU)'
-    >>> probe_speed_label({"device": "cuda:0"})
+    >>> probe_speed({"device": "cuda:0"})[1]
     'samples/s measured on cuda:0'
     """
+    trials = [t for t in probe.get("trials") or [] if isinstance(t, Mapping)]
+    if any(isinstance(t.get("predicted_samples_per_second"), (int, float)) for t in trials):
+        return "predicted_samples_per_second", f"samples/s predicted on the {probe.get('speed_gpu') or 'card'}"
     device = str(probe.get("device") or "the device")
     simulated = device.startswith(("sim", "cpu"))
-    return f"samples/s measured on {device}" + (" (the CPU, not a GPU)" if simulated else "")
+    return "samples_per_second", f"samples/s measured on {device}" + (" (the CPU, not a GPU)" if simulated else "")
 
 
 def estimate_figure(estimate: Mapping[str, Any]) -> Figure | None:

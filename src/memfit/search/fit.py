@@ -451,6 +451,7 @@ def _lock(request: FitRequest, machine: Any, best: Candidate, speed_gpu: str | N
 def _report(request: FitRequest, path: Path, chosen: Settings, found: _Findings) -> Path:
     """The HTML report of every phase, with the chosen step's allocator history."""
     from memfit.reporting.pages import write_results_report
+    from memfit.search.probe_speeds import with_predicted_speeds
 
     wl, gpu = request.workload, request.device
     snapshot, snapshot_title = _chosen_step_snapshot(wl, chosen, gpu, request.say)
@@ -458,7 +459,7 @@ def _report(request: FitRequest, path: Path, chosen: Settings, found: _Findings)
         path,
         title=f"memfit fit · {wl.name} on {gpu.describe()}",
         doctor=found.diagnosis.to_dict() if found.diagnosis is not None else None,
-        probe=found.probe.to_dict(),
+        probe=with_predicted_speeds(found.probe.to_dict(), wl, request.first_settings, gpu, request.speed_gpu),
         estimate=found.estimate.to_dict() if found.estimate is not None else None,
         plan=found.plan.to_dict(),
         snapshot=snapshot,
