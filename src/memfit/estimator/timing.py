@@ -312,10 +312,13 @@ class OpCounter:
             _walk(list(kwargs.values()), inputs)
             outputs: list[torch.Tensor] = []
             _walk(out, outputs)
+            name = func._overloadpacket.__name__
+            if not outputs and name.startswith(("_foreach_", "_fused_")) and args:
+                # an in-place foreach or fused kernel returns nothing: it writes its first list
+                _walk(args[0], outputs)
             if not outputs:
                 return  # a query of metadata (sizes, devices), not an operation of the GPU
             written = sum(_nbytes(t) for t in outputs)
-            name = func._overloadpacket.__name__
             if name in _GATHER:
                 # the gathered rows, and the indices
                 read = written + sum(_nbytes(t) for t in inputs[1:])
