@@ -1,17 +1,23 @@
-"""Predicted against measured training speed on the GPU of this machine.
+"""Predicted against measured speed on the GPU of this machine: per kernel class, and per workload.
 
-For a few workloads, precisions and batch sizes: ``memfit.measure`` on ``cuda`` (the median
-of the last steps' times, after warm-up steps) against
-``memfit.estimator.speed.step_time`` on the card the table finds for
-``torch.cuda.get_device_name()`` (the process's tf32 settings apply to both). The figure to
-read is the error of samples/s and whether the prediction orders each workload's settings
-as the GPU does.
+Per kernel class (the default, about a minute): one microbenchmark for each class of
+``memfit.estimator.kernel_rates`` (``bench/kernel_bench.py``: 16-bit, tf32 and fp32
+products, one wave and two waves, dense/grouped/depthwise convolutions in NHWC and NCHW,
+element-wise, batch norm, softmax, a reduction, a foreach optimizer step), its GPU time by
+CUDA events against memfit's prediction for the card ``torch.cuda.get_device_name()``
+names, and the efficiency that would make the prediction exact beside the one memfit uses.
+A short table is printed; every row goes to the JSON file.
 
-``bench/gpu_accuracy.py`` calls :func:`check` and writes its rows with its own results.
-Without CUDA (or with ``--dry-run``) nothing is measured: the predictions alone are printed
-for ``--gpu`` (default: the A100 80GB SXM), which exercises the whole path on a CPU.
+Per workload (``--workloads``): for a few workloads, precisions and batch sizes,
+``memfit.measure`` on ``cuda`` (the median of the last steps' times, after warm-up steps)
+against ``memfit.estimator.speed.step_time``. ``bench/gpu_accuracy.py`` calls
+:func:`check` and writes its rows with its own results.
 
-Run: .venv/bin/python bench/gpu_speed_check.py [--dry-run] [--gpu NAME] [--out FILE]
+Without CUDA (or with ``--dry-run``) nothing is measured: the predictions alone are
+computed and printed for ``--gpu`` (default: the A100 80GB SXM), which exercises every code
+path but the CUDA events on a CPU.
+
+Run: .venv/bin/python bench/gpu_speed_check.py [--dry-run] [--gpu NAME] [--workloads] [--out FILE]
 """
 
 from __future__ import annotations
@@ -116,11 +122,49 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def kernel_classes(gpu: str, *, measure: bool) -> list[dict[str, Any]]:
+    """One row per microbenchmark of ``bench/kernel_bench.py``: predicted and (with
+    ``measure``) measured GPU seconds, the rate memfit uses and the one the measurement implies.
+
+    Args:
+        gpu: the card to predict for.
+        measure: time each case on ``cuda`` (False: predictions only).
+    """
+    from kernel_bench import cases, implied_rate, measured, predicted
+    from memfit.estimator.kernel_rates import RATES
+
+    card = lookup(gpu)
+    rows = []
+    for case in cases(card):
+        total, own = predicted(case, card)
+        seconds = measured(case) if measure else None
+        row: dict[str, Any] = {
+            "case": case.name,
+            "class": case.cls.name.lower(),
+            "rate": case.rate,
+            "memfit_rate": getattr(RATES, case.rate),
+            "predicted_seconds": total,
+            "predicted_class_seconds": own,
+            "measured_seconds": seconds,
+        }
+        if seconds:
+            row["error_pct"] = 100.0 * (total / seconds - 1)
+            row["implied_rate"] = implied_rate(case, total, own, seconds)
+        rows.append(row)
+        shown = f"  measured {seconds * 1e3:9.3f} ms  implied {row['implied_rate']:.2f}" if seconds else ""
+        print(
+            f"{case.name:36s} {case.rate:10s} memfit {row['memfit_rate']:.2f}  predicted {total * 1e3:9.3f} ms{shown}",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="predict only (what a machine without CUDA does)")
     parser.add_argument("--gpu", default=None, help="the card to predict for (default: this machine's)")
-    parser.add_argument("--quick", action="store_true", help="the first workload only")
+    parser.add_argument("--workloads", action="store_true", help="also the end-to-end workloads (minutes)")
+    parser.add_argument("--quick", action="store_true", help="with --workloads: the first workload only")
     parser.add_argument("--out", type=Path, default=OUT, help="JSON file to write (default: %(default)s)")
     args = parser.parse_args(argv)
     measure = torch.cuda.is_available() and not args.dry_run
@@ -129,12 +173,19 @@ def main(argv: list[str] | None = None) -> int:
             f"no CUDA GPU here (torch {torch.__version__}) or --dry-run: predictions only, nothing measured",
             file=sys.stderr,
         )
+    gpu = args.gpu or (torch.cuda.get_device_name(0) if measure else "A100 80GB SXM")
     started = time.perf_counter()
-    rows = check(args.gpu or (None if measure else "A100 80GB SXM"), measure=measure, quick=args.quick)
-    result = {"rows": rows, **summary(rows), "seconds": round(time.perf_counter() - started, 1)}
+    result: dict[str, Any] = {"gpu": lookup(gpu).name, "kernel_classes": kernel_classes(gpu, measure=measure)}
+    if args.workloads:
+        rows = check(gpu, measure=measure, quick=args.quick)
+        result.update({"rows": rows, **summary(rows)})
+    result["seconds"] = round(time.perf_counter() - started, 1)
     if measure:
         result["torch"], result["cuda"] = torch.__version__, torch.version.cuda
-        write_atomically(args.out, json.dumps(result, indent=2) + "\n")
+    # the dry run writes its predictions too (to --out), so the whole path runs on a CPU
+    write_atomically(args.out, json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    if measure and args.workloads:
         print(f"median |error| {result['median_abs_error_pct']:.1f} %; same order: {result['same_order']}")
     return 0
 

@@ -195,3 +195,40 @@ def test_predict_max(points: list[tuple[int, int]], capacity: int | None, expect
 def test_bad_search_spaces_are_user_errors(options: dict[str, int]) -> None:
     with pytest.raises(MemfitError):
         SearchSpace(**options)
+
+
+# -- the headroom batch from a predicted memory line (issue 22) ------------------------------
+
+
+def _headroom_trials(guess: int | None, memory=lambda b: 100 + 3 * b, budget: int = 950, maximum: int = 300):
+    from memfit.search.headroom import next_headroom_batch, within_budget
+
+    def trial(b: int) -> Outcome:
+        return Outcome(b, memory(b) <= 1000, memory(b))
+
+    outcomes = [trial(maximum), trial(maximum + 1)]  # the maximum's proof
+    while (b := next_headroom_batch(outcomes, budget, maximum=maximum, phase_start=2, guess=guess)) is not None:
+        outcomes.append(trial(b))
+    return [o.batch_size for o in outcomes[2:]], within_budget(outcomes, budget, maximum=maximum)
+
+
+def test_a_right_headroom_guess_is_proven_by_itself_and_the_next_batch() -> None:
+    # 100 + 3b <= 950: b <= 283
+    assert _headroom_trials(283) == ([283, 284], 283)
+
+
+def test_a_guess_over_the_budget_is_proven_by_the_batch_below() -> None:
+    assert _headroom_trials(284) == ([284, 283], 283)
+
+
+def test_a_wrong_guess_falls_back_to_the_line_and_still_finds_the_answer() -> None:
+    for guess in (150, 200, 290, 1000):
+        tried, found = _headroom_trials(guess)
+        assert found == 283, guess
+        # a guess above the maximum is the maximum, tried already (over the budget): its neighbour next
+        assert tried[0] == min(guess, 299) and len(tried) <= 4
+
+
+def test_a_guess_at_the_maximum_within_the_budget_needs_no_other_trial() -> None:
+    tried, found = _headroom_trials(300, budget=1000)
+    assert (tried, found) == ([], 300)  # the maximum's own trial kept the budget

@@ -289,7 +289,10 @@ def speed_line(result: Estimate) -> str | None:
     if classes:
         busy = sum(classes.values()) or 1.0
         top = ", ".join(f"{name.replace('_', ' ')} {seconds / busy:.0%}" for name, seconds in list(classes.items())[:4])
-        line += f" Bound by {time.get('bound_by', '').replace('_', ' ')}; GPU time by kernel class: {top}."
+        bound = str(time.get("bound_by", "")).replace("_", " ")
+        if bound == "layout":
+            bound = "layout (cuDNN's NCHW<->NHWC transposes: channels_last avoids them)"
+        line += f" Bound by {bound}; GPU time by kernel class: {top}."
     if result.target.startswith("sim:") and result.target != f"sim:{result.speed_gpu}":
         line += (
             f" {result.target} names no card: the speed is the {result.speed_gpu}'s; "

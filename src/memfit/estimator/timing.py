@@ -5,17 +5,19 @@ the speed of the GPU the user will train on, not by the CPU's. The fake steps of
 estimator (:mod:`memfit.estimator.fake`) already run every ATen operation of a step on
 fake tensors; :class:`OpCounter` records, for each operation of one steady-state step, its
 floating-point operations (PyTorch's own formulas, ``torch.utils.flop_counter``) and the
-bytes it reads and writes. :func:`predict` then times each operation on the GPU of the table
-(:mod:`memfit.memory.gpus`) by a roofline and replays the step as the host and the GPU run
-it:
+bytes it reads and writes, and its kernel class and shape
+(:mod:`memfit.estimator.kernel_classes`). :func:`predict` then times each operation on the
+GPU of the table (:mod:`memfit.memory.gpus`) by its class and replays the step as the host
+and the GPU run it:
 
-- **device time** of a kernel = max(FLOPs / (peak x :data:`COMPUTE_EFFICIENCY`),
-  bytes / (bandwidth x :data:`MEMORY_EFFICIENCY`)) + :data:`KERNEL_GAP_SECONDS`. Matrix
-  products, convolutions and attention use the tensor-core peak of their dtype: fp16 or
-  bf16; fp32 as tf32 where PyTorch allows it (``torch.backends.cuda.matmul.allow_tf32``, set
-  by ``torch.set_float32_matmul_precision("high")``, for matmuls; ``torch.backends.cudnn.
-  allow_tf32`` for convolutions), else the fp32 peak. Every other kernel is timed by the
-  bytes it moves.
+- **device time** of a kernel: by its class (:mod:`memfit.estimator.kernel_rates`, where
+  each efficiency and its source are stated): matrix products and attention at the 16-bit
+  efficiency of their peak with tile and wave quantization for the card's SM count; tf32
+  (fp32 where PyTorch allows it: ``torch.backends.cuda.matmul.allow_tf32``, set by
+  ``torch.set_float32_matmul_precision("high")``, for matmuls; ``torch.backends.cudnn.
+  allow_tf32`` for convolutions) at its own; convolutions by kind (dense, grouped,
+  depthwise), with cuDNN's NCHW transposes on tensor cores; every other kernel by the bytes
+  it moves at the achievable streaming bandwidth; plus :data:`KERNEL_GAP_SECONDS`.
 - **host time**: every ATen operation costs the host :data:`HOST_SECONDS_PER_OP` (Python,
   the dispatcher, autograd, the kernel launch); views and allocations launch no kernel.
 - the host queues kernels ahead of the GPU: a kernel starts when the host has launched it
@@ -28,7 +30,9 @@ samples/s = samples per step / seconds per step. Not counted: the data loader an
 of the batch to the GPU (a loader's prefetch overlaps them), communication between ranks,
 and torch.compile or CUDA graphs (the prediction is for eager PyTorch).
 
-Every constant is stated once, with its source, and none was fitted to a benchmark.
+Every constant is stated once, with its source; the calibrated rates of
+:mod:`memfit.estimator.kernel_rates` were fitted on the calibration rows of
+``bench/speed_rows.py`` only, and checked on the others.
 
 >>> from memfit.memory.gpus import lookup
 >>> counter = OpCounter(step=0)
@@ -50,7 +54,17 @@ import torch
 from memfit.cuda.kernels import Kernel
 from memfit.estimator.flops import conv_backward_flops
 from memfit.estimator.kernel_classes import Classified, classify
-from memfit.estimator.kernel_rates import RATES, KernelClass, Mode, Rates, gemm_utilisation, kernel_seconds, sm_count
+from memfit.estimator.kernel_rates import (
+    GEMM_EFFICIENCY,
+    RATES,
+    STREAM_EFFICIENCY,
+    KernelClass,
+    Mode,
+    Rates,
+    gemm_utilisation,
+    kernel_seconds,
+    sm_count,
+)
 from memfit.memory.gpus import GPU
 from memfit.memory.tracker import current_labels
 
@@ -69,15 +83,12 @@ __all__ = [
     "KERNEL_GAP_SECONDS",
 ]
 
-#: Fraction of the published dense peak a large matrix product reaches: the median of the
-#: NVIDIA rows of Stas Bekman's "Maximum Achievable Matmul FLOPS" table (ml-engineering,
-#: compute/accelerator/README.md: A100 SXM 85.9 %, GH200 83.0 %, A100 PCIe 82.2 %, H100 SXM
-#: 80.1 %, bf16 matmul, CUDA 12).
-COMPUTE_EFFICIENCY = 0.826
-#: Fraction of the published memory bandwidth a streaming kernel reaches: 750 GB/s of the
-#: V100's 900 GB/s measured by Jia et al., "Dissecting the NVIDIA Volta GPU Architecture via
-#: Microbenchmarking" (arXiv:1804.06826, 2018).
-MEMORY_EFFICIENCY = 750 / 900
+#: Fraction of the published dense peak a large 16-bit matrix product reaches (the source
+#: is stated at :data:`memfit.estimator.kernel_rates.GEMM_EFFICIENCY`)
+COMPUTE_EFFICIENCY = GEMM_EFFICIENCY
+#: Fraction of the published memory bandwidth a streaming kernel reaches (the source is
+#: stated at :data:`memfit.estimator.kernel_rates.STREAM_EFFICIENCY`)
+MEMORY_EFFICIENCY = STREAM_EFFICIENCY
 #: Host time of one eager ATen operation (Python, dispatcher, autograd, cudaLaunchKernel):
 #: the order of magnitude of PyTorch's per-operator overhead; an assumption, stated once.
 HOST_SECONDS_PER_OP = 10e-6
@@ -312,10 +323,13 @@ class OpCounter:
             _walk(list(kwargs.values()), inputs)
             outputs: list[torch.Tensor] = []
             _walk(out, outputs)
+            name = func._overloadpacket.__name__
+            if not outputs and name.startswith(("_foreach_", "_fused_")) and args:
+                # an in-place foreach or fused kernel returns nothing: it writes its first list
+                _walk(args[0], outputs)
             if not outputs:
                 return  # a query of metadata (sizes, devices), not an operation of the GPU
             written = sum(_nbytes(t) for t in outputs)
-            name = func._overloadpacket.__name__
             if name in _GATHER:
                 # the gathered rows, and the indices
                 read = written + sum(_nbytes(t) for t in inputs[1:])

@@ -68,10 +68,36 @@ def within_budget(outcomes: Sequence[Outcome], budget: int, *, maximum: int, mul
     return (best // multiple_of) * multiple_of
 
 
+def _verify_guess(trials: Sequence[tuple[int, bool, int]], budget: int, guess: int, top: int) -> int | None:
+    """The unit that verifies a predicted headroom batch: the guess itself, then the
+    neighbour that proves it (the next unit above a guess within the budget, the one below
+    a guess over it); None once both ran, or when the maximum's trials already decide."""
+    ran = {u: fits and memory <= budget for u, fits, memory in trials}
+    g = max(1, min(guess, top))
+    if g not in ran:
+        return g
+    neighbour = g + 1 if ran[g] else g - 1
+    if 1 <= neighbour <= top and neighbour not in ran:
+        return neighbour
+    return None
+
+
 def next_headroom_batch(
-    outcomes: Sequence[Outcome], budget: int, *, maximum: int, multiple_of: int = 1, phase_start: int | None = None
+    outcomes: Sequence[Outcome],
+    budget: int,
+    *,
+    maximum: int,
+    multiple_of: int = 1,
+    phase_start: int | None = None,
+    guess: int | None = None,
 ) -> int | None:
     """The next batch to try for the largest batch within ``budget``, or None once it is proven.
+
+    With a ``guess`` (the estimator's headroom batch: where its memory line crosses the
+    budget) the guess is tried first, then its neighbour (one multiple above when it kept
+    the budget, below when it did not): with an exact estimate that proves the answer in
+    two trials. When they disagree with the guess, the line and bisection below go on from
+    every trial so far.
 
     Args:
         outcomes: every trial so far (memory: peak reserved bytes of a fitting trial).
@@ -81,9 +107,14 @@ def next_headroom_batch(
         phase_start: the index in ``outcomes`` of this search's first trial (default: the
             trials after the maximum's proof are found by themselves: any trial above the
             budget after the first one that is ``maximum`` or more).
+        guess: a predicted headroom batch, verified first (None: the line from the trials).
     """
     trials = _units(outcomes, multiple_of)
     top = maximum // multiple_of
+    if guess is not None and top >= 1:
+        unit = _verify_guess(trials, budget, guess // multiple_of, top)
+        if unit is not None:
+            return unit * multiple_of
     inside = [u for u, fits, memory in trials if fits and memory <= budget and u <= top]
     lo = max(inside, default=0)
     if lo >= top:
@@ -93,7 +124,9 @@ def next_headroom_batch(
     if hi <= lo + 1:
         return None
     start = _phase_start(outcomes, maximum) if phase_start is None else phase_start
-    overshot = any(not fits or memory > budget for _, fits, memory in trials[start:])
+    # a guess and its neighbour over the budget were the estimate's, not the line's overshoot
+    verified = set() if guess is None else {max(1, min(guess // multiple_of, top)) + d for d in (-1, 0, 1)}
+    overshot = any(not fits or memory > budget for u, fits, memory in trials[start:] if u not in verified)
     points = sorted({u: memory for u, fits, memory in trials if fits and u <= top}.items())
     if overshot:
         unit = (lo + hi) // 2  # the line overshot once: a staircase, or a bend; halve from now on
@@ -120,6 +153,10 @@ def _crossing(points: Sequence[tuple[int, int]], budget: int, lo: int, hi: int) 
     above = [p for p in points if p[0] >= hi] or [points[-1]]
     top, top_memory = above[0]
     below = [p for p in points if p[0] <= top / 2] or [p for p in points if p[0] < top][:1]
+    if not below:
+        # only points at or above hi (a guess over the budget, its neighbour, the maximum):
+        # the farthest of them from hi makes the line
+        below = [p for p in points if p[0] > top][-1:]
     if not below:
         return (lo + hi) // 2  # one point: the trial half way down makes a line
     ref, ref_memory = below[-1]

@@ -152,6 +152,7 @@ def search(
     headroom: float = DEFAULT_HEADROOM,
     progress: Progress | None = None,
     describe: str = "the workload",
+    headroom_guess: int | None = None,
 ) -> Search:
     """Run trials until the maximum and the headroom batch are found; pick the recommendation.
 
@@ -165,6 +166,8 @@ def search(
         headroom: the fraction of ``capacity`` the recommended batch leaves free.
         progress: called before and after each trial.
         describe: names the workload and device in errors.
+        headroom_guess: a predicted headroom batch (the estimator's memory line at the
+            budget), verified by a trial and its neighbour before any other headroom trial.
 
     Raises:
         DoesNotFitError: the smallest batch does not fit.
@@ -202,7 +205,12 @@ def search(
         for _ in range(HEADROOM_TRIALS):
             outcomes = [_outcome(t) for t in trials]
             batch = next_headroom_batch(
-                outcomes, budget, maximum=maximum, multiple_of=space.multiple_of, phase_start=start
+                outcomes,
+                budget,
+                maximum=maximum,
+                multiple_of=space.multiple_of,
+                phase_start=start,
+                guess=headroom_guess,
             )
             if batch is None:
                 break
@@ -240,6 +248,7 @@ def confirmed_search(
     headroom: float = DEFAULT_HEADROOM,
     progress: Progress | None = None,
     describe: str = "the workload",
+    headroom_guess: int | None = None,
 ) -> Search:
     """:func:`search` with ``trials``; an answer found on fake tensors is confirmed for real.
 
@@ -252,7 +261,13 @@ def confirmed_search(
     the device part ways), the whole search runs again on real trials, starting from the
     fake answer, so no answer rests on fake tensors alone.
     """
-    kwargs: dict[str, Any] = {"capacity": capacity, "headroom": headroom, "progress": progress, "describe": describe}
+    kwargs: dict[str, Any] = {
+        "capacity": capacity,
+        "headroom": headroom,
+        "progress": progress,
+        "describe": describe,
+        "headroom_guess": headroom_guess,
+    }
     if not trials.fake:
         return search(trials, space, **kwargs)
     real: list[Measurement] = []
@@ -482,7 +497,8 @@ def probe(
     batches = request.workload.make_batch
     if isinstance(batches, WorstCase):  # which sample sets the limit
         evaluated["worst_case"] = batches.describe()
-    return dataclasses.replace(result, extra={"fake_trials": fake, "trials_note": note, **rehearsed, **evaluated})
+    counts = {"fake_trials": fake, "real_trials": len(result.trials) - fake}
+    return dataclasses.replace(result, extra={**counts, "trials_note": note, **rehearsed, **evaluated})
 
 
 @dataclass(frozen=True)
@@ -559,9 +575,11 @@ def _search_preserving(request: _ProbeRequest, hooks: _ProbeHooks) -> _Probed:
     wl, gpu, settings = request.workload, request.device, request.settings
     space, rank = request.space, hooks.rehearse_rank
     with preserved_workload(wl, *hooks.preserve) as probed:
+        headroom_guess = None
         if request.guess == "estimate":
-            guessed = estimated_guess(wl, gpu, settings, request.max_batch_size)
+            guessed = estimated_guess(wl, gpu, settings, request.max_batch_size, headroom=request.headroom)
             space = dataclasses.replace(space, guess=guessed.batch_size)
+            headroom_guess = guessed.headroom
             if rank is None and settings.world_size > 1:
                 # Under ZeRO-1 or uneven FSDP2 shards the rank that peaks highest is
                 # not always the one holding the most: the trace of every candidate says.
@@ -582,6 +600,7 @@ def _search_preserving(request: _ProbeRequest, hooks: _ProbeHooks) -> _Probed:
                 headroom=request.headroom,
                 progress=hooks.progress,
                 describe=f"{wl.name} on {gpu.describe()}",
+                headroom_guess=headroom_guess,
             )
     rehearsed: dict[str, Any] = {}
     if settings.world_size > 1:
@@ -595,18 +614,31 @@ def _search_preserving(request: _ProbeRequest, hooks: _ProbeHooks) -> _Probed:
 
 
 class Guess(NamedTuple):
-    """The estimator's largest batch (None when unknown) and the rank it is for (the
-    heaviest of the ranks traced; None for one rank, or when unknown)."""
+    """The estimator's largest batch (None when unknown), the rank it is for (the
+    heaviest of the ranks traced; None for one rank, or when unknown), and its headroom
+    batch (the largest whose estimated peak reserved memory keeps the headroom; None when
+    unknown or not asked)."""
 
     batch_size: int | None
     rank: int | None
+    headroom: int | None = None
 
 
-def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: int | None) -> Guess:
-    """The estimator's largest batch, as the search's first guess, and its heaviest rank.
+def estimated_guess(
+    workload: Workload, gpu: Device, settings: Settings, limit: int | None, *, headroom: float = 0.0
+) -> Guess:
+    """The estimator's largest batch, as the search's first guess, its heaviest rank, and
+    (with ``headroom``) the batch its memory line puts at the headroom's budget.
 
     Why tolerate a failure: the guess only saves trials; an operation fake tensors cannot
     run must not stop a probe that real trials can do.
+
+    Args:
+        workload: the workload.
+        gpu: the device probed (its capacity bounds the estimate).
+        settings: the probe's settings.
+        limit: the largest batch worth considering.
+        headroom: the fraction of memory the headroom batch leaves free (0: no headroom guess).
     """
     if gpu.capacity is None or not workload.builds_fresh_models:
         # A model instance comes with the script's own optimizer (bound to the real
@@ -614,17 +646,31 @@ def estimated_guess(workload: Workload, gpu: Device, settings: Settings, limit: 
         return Guess(None, None)
     from memfit.estimator.estimate import estimate
 
+    unbatched = settings.replace(micro_batch_size=None)
     try:
-        predicted = estimate(
-            workload, None, settings.replace(micro_batch_size=None), device=gpu, search_limit=limit, speed=False
-        )
+        predicted = estimate(workload, None, unbatched, device=gpu, search_limit=limit, speed=False)
+        maximum = predicted.max_batch_size or None
+        rank = predicted.rank if predicted.world_size > 1 and maximum else None
+        if maximum is None or headroom <= 0:
+            return Guess(maximum, rank)
+        budget = math.floor((1 - headroom) * gpu.capacity)
+
+        def outcome(batch: int) -> Outcome:
+            at = estimate(workload, batch, unbatched, device=gpu, search=False, speed=False)
+            return Outcome(batch, bool(at.fits), at.peak_reserved if at.fits else 0)
+
+        # the estimator's memory line, searched by the rule probe's real trials follow
+        # (memfit.search.headroom), on fake runs: a few, from the maximum's own
+        found = [Outcome(maximum, True, predicted.peak_reserved), Outcome(maximum + 1, False)]
+        while (batch := next_headroom_batch(found, budget, maximum=maximum, phase_start=2)) is not None:
+            found.append(outcome(batch))
+        # none within the budget: batch 1 is the one to verify (over it, nothing keeps the headroom)
+        return Guess(maximum, rank, max(1, within_budget(found, budget, maximum=maximum)))
     except WorkloadError:
         raise  # the workload's contract (a closure optimizer): refused before any real trial
     except Exception:  # noqa: BLE001 - only the starting point is lost; real trials follow
         # A bug in the user's step shows up unchanged in the first real trial.
         return Guess(None, None)
-    rank = predicted.rank if predicted.world_size > 1 and predicted.max_batch_size else None
-    return Guess(predicted.max_batch_size or None, rank)
 
 
 def _search_capacity(gpu: Device) -> int | None:

@@ -1,0 +1,93 @@
+"""bench/predicted_speed.py and bench/gpu_speed_check.py (issue 22): the rows cover what the
+issue asks, each names its source, the split keeps calibration apart; the per-class GPU
+check runs its whole path on the CPU with --dry-run; foreach optimizer kernels are counted."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.estimator.speed import record_step
+from memfit.estimator.timing import predict
+from memfit.memory.gpus import lookup
+from memfit.workload import Workload
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[None]:
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(name)
+
+
+def test_the_rows_cover_what_the_issue_asks(bench: None) -> None:
+    rows, sources = _module("speed_rows").ROWS, _module("speed_rows").SOURCES
+    assert len(rows) >= 60
+    assert len({r.source for r in rows}) >= 4 and {r.source for r in rows} <= set(sources)
+    assert len({r.gpu for r in rows}) >= 5
+    families = {r.workload.split("/")[0].rstrip("0123456789_").split("_")[0] for r in rows}
+    assert {"resnext", "efficientnet", "mobilenetv", "vit", "bert-large adamw"} & families
+    assert any("/nhwc/" in r.workload for r in rows)  # channels-last rows
+    assert any(r.tf32_conv and r.settings.precision == "fp32" for r in rows)  # tf32 rows
+    for row in rows:
+        lookup(row.gpu)  # every card is in the table
+        assert sources[row.source].citation  # every row names its source
+
+
+def test_calibration_and_validation_rows_are_apart(bench: None) -> None:
+    rows = _module("speed_rows").ROWS
+    calibration = [r for r in rows if r.calibration]
+    validation = [r for r in rows if not r.calibration]
+    assert 0 < len(calibration) < len(validation)
+    assert not {(r.source, r.label) for r in calibration} & {(r.source, r.label) for r in validation}
+
+
+def test_the_spearman_correlation_and_the_figures(bench: None) -> None:
+    speed = _module("predicted_speed")
+    assert speed.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert speed.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert speed.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)
+
+
+def test_the_gpu_check_dry_run_predicts_every_class_on_the_cpu(bench: None, tmp_path: Path) -> None:
+    check = _module("gpu_speed_check")
+    out = tmp_path / "speed.json"
+    assert check.main(["--dry-run", "--gpu", "RTX 4090", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["kernel_classes"]
+    classes = {r["class"] for r in rows}
+    assert {"gemm", "conv_dense", "conv_grouped", "conv_depthwise", "layout", "elementwise"} <= classes
+    assert {"normalization", "softmax", "reduction", "optimizer"} <= classes
+    assert all(r["predicted_class_seconds"] > 0 and r["measured_seconds"] is None for r in rows)
+    four, five = (next(r for r in rows if f"({w} waves" in r["case"]) for w in ("4", "5"))
+    assert five["predicted_seconds"] / four["predicted_seconds"] == pytest.approx(5 / 4, rel=0.01)
+
+
+def test_a_foreach_optimizers_in_place_kernels_are_counted() -> None:
+    wl = Workload(
+        model=lambda: nn.Linear(256, 256),
+        make_batch=lambda n: torch.randn(n, 256),
+        loss=lambda model, x: model(x).sum(),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+        name="linear adamw",
+    )
+    trace = record_step(wl, memfit.Settings(micro_batch_size=8), foreach=True)
+    assert sum(trace.optimizer.nbytes) > 10 * (256 * 256 * 4)  # params, grads, two moments: read and written
+    assert predict(trace, lookup("A100 80GB SXM"), 8).by_class["optimizer"] > 0
