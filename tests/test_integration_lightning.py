@@ -37,7 +37,7 @@ from memfit.search.trials import trial_line  # noqa: E402
 
 SAMPLES = 2048
 #: on this budget a training step at batch 1024 runs out of memory (the 2048-sample dataset
-#: stays on the host, as on a GPU); by multiples of 64, 384 fits on a fresh device and 448 does not
+#: stays on the host, as on a GPU); the probe, by multiples of 64, proves 384 fits and 448 does not
 TIGHT = "sim:6MiB"
 #: under DDP the guard also needs room for a flat copy of the gradients when it averages them
 DDP_TIGHT = "sim:8MiB"
@@ -247,9 +247,7 @@ def test_the_probe_keeps_the_target_batch_exact_with_accumulation(caplog: pytest
     with caplog.at_level(logging.INFO):
         model = fit(64, [callback])
     assert callback.result is not None
-    # 384 fits on a fresh device and 448 does not; the callback's probe (its trials in
-    # another order, inside the fit) proves 320 (an open finding of issue 20, item 9)
-    assert 256 <= callback.result.max_batch_size < 448
+    assert callback.result.max_batch_size == 384  # as on a fresh device: 448 does not fit
     # the probe says what it does, one line per trial, on Lightning's console logger
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memfit: probe")]
     assert lines[0].startswith("memfit: probe · real trials: the workload's model is an instance")
