@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import re
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +53,7 @@ from memfit.estimator.timing import OpCounter, OpTrace
 from memfit.estimator.transformers_masks import PositionsWatch, watching_positions
 from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
-from memfit.memory.tracker import Labels, StorageTracker, current_labels, storages_of
+from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.run.settings import Settings
 from memfit.run.steps import run_steps
 from memfit.workload import Workload
@@ -103,18 +105,44 @@ Runner = Callable[[Settings, int | None, bool], FakeRun]
 
 
 def unsupported_message(op: str, module: str, error: BaseException) -> str:
-    """One line naming the operation and the module, and why fake tensors cannot run it."""
+    """One line naming the operation, the module and the code that called it, why fake
+    tensors cannot run it, and the way around it.
+
+    Called while the operation fails, so the Python stack above is the user's code: the
+    innermost frame outside torch and memfit is named (``file:line in function``), and a
+    value read by ``torch.distributions``' argument validation (on by default) or a CTC
+    loss (its work space sized by the target lengths' values) gets its own way around.
+    """
     where = f"module {module!r}" if module else "code outside any module"
+    frames = traceback.extract_stack()
+    caller = next((f for f in reversed(frames) if not _library_frame(f.filename)), None)
+    if caller is not None:
+        where += f", called at {os.path.basename(caller.filename)}:{caller.lineno} in {caller.name}"
     if isinstance(error, DynamicOutputShapeException):
         why = "its output shape depends on the data"
     elif isinstance(error, DataDependentOutputException):
         why = "it reads a tensor's value (data-dependent control flow)"
     else:
         why = "it has no fake/meta implementation (a custom kernel?)"
-    return (
-        f"cannot estimate: operation {op} in {where} cannot run on fake tensors: {why}; "
-        "measure on a device instead (memfit measure / probe)"
-    )
+    around = "measure on a device instead (memfit measure / probe)"
+    if any(f"{os.sep}torch{os.sep}distributions{os.sep}" in f.filename for f in frames):
+        why = "torch.distributions validates its arguments (validate_args, on by default), which reads their values"
+        around = (
+            "turn validation off for the estimate with torch.distributions.Distribution.set_default_validate_args(False) "
+            "(or validate_args=False), or measure on a device (memfit measure / probe)"
+        )
+    elif "ctc_loss" in op:
+        why = "CTC loss has no fake-tensor kernel (its work space is sized by the target lengths' values)"
+        around = (
+            "measure on a device instead (memfit measure, or memfit probe, whose trials run for real by themselves)"
+        )
+    return f"cannot estimate: operation {op} in {where} cannot run on fake tensors: {why}; {around}"
+
+
+def _library_frame(filename: str) -> bool:
+    """True for a frame of torch, memfit or Python's own library (not the user's code)."""
+    parts = filename.replace("\\", "/").split("/")
+    return any(part in ("torch", "memfit", "contextlib.py", "functools.py") for part in parts)
 
 
 #: how a custom operator without a fake implementation refuses (a plain RuntimeError)
@@ -141,18 +169,9 @@ class _FakeStepTracker(StorageTracker):
     #: counts each operation's FLOPs and bytes for the predicted step time (None: off)
     counter: OpCounter | None = None
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if func is torch.ops.aten.lift_fresh.default:
-            # torch.tensor(0.0) (an optimizer's step count) is made outside fake mode and
-            # lifted to its fake twin: only the twin lives on, so only the twin is counted,
-            # as a real run counts the one tensor once.
-            out = self._call(func, args, kwargs or {})
-            for storage in storages_of(out):
-                self._see(storage)
-            return out
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    # torch.tensor(0.0) (an optimizer's step count) is made outside fake mode and lifted to
+    # its fake twin: a host tensor in both runs (memory/tracker.py's rule), counted only
+    # once it meets a device tensor, as the real run counts it.
 
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:

@@ -48,6 +48,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from torch import nn
 
 from memfit import distributed
+from memfit.cuda.counting import not_counted
 from memfit.errors import MemfitError
 from memfit.guard import Splitter, add_gradients, set_aside_gradients
 from memfit.guard.check import checking
@@ -375,7 +376,13 @@ class MemfitCallback(pl.Callback):
                 f"cannot set the batch size: {self.batch_arg_name!r} is neither an attribute of the module, "
                 "nor in its hparams, nor in the datamodule; add it, or pass batch_arg_name="
             )
-        make_batch = self.make_batch or batch_maker(trainer.fit_loop._data_source.dataloader())
+        if self.make_batch is not None:
+            make_batch = self.make_batch
+        else:
+            # The module's train_dataloader builds its dataset here, inside the entered
+            # device: a dataset a GPU run keeps on the host is not charged to it.
+            with not_counted():
+                make_batch = batch_maker(trainer.fit_loop._data_source.dataloader())
 
         # training_step(batch, batch_idx) or training_step(batch): Lightning passes batch_idx
         # only when the method takes it, and so does the probe

@@ -32,7 +32,7 @@ from memfit.distributed import launched_by_torchrun
 from memfit.errors import DeviceError, MemfitError
 from memfit.memory.allocator import AllocationFailed, CachingAllocatorModel
 from memfit.memory.gpus import GPU, lookup
-from memfit.memory.tracker import Labels, StorageTracker, current_labels
+from memfit.memory.tracker import Labels, Placement, StorageTracker, current_labels
 from memfit.units import format_size, parse_size
 
 __all__ = [
@@ -221,6 +221,8 @@ class SimDevice(Device):
             if self.cuda is not None:
                 stack.enter_context(cuda_semantics(self.cuda))
             stack.enter_context(self.tracker)
+            # what a GPU would hold: host factories and .to(device) (docs/design.md)
+            stack.enter_context(Placement(self.tracker))
             self._semantics = stack
         self._depth += 1
         _push(self)

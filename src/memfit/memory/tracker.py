@@ -2,7 +2,10 @@
 
 Why a dispatch mode: it sees every ATen operation after autograd, in forward, backward
 and the optimizer alike, so the stream of storage allocations and frees it reports is the
-one a GPU's allocator would receive. Frees are observed through weak references on the
+one a GPU's allocator would receive. What counts as being on the device (a host tensor
+made outside does not; what the code puts on the GPU does) is the rule written out in
+``docs/design.md`` ("What the simulated GPU counts"), applied in
+:meth:`StorageTracker.__torch_dispatch__` and by :class:`Placement` (the Python calls). Frees are observed through weak references on the
 storages, so they arrive exactly when the last tensor (or saved-for-backward reference)
 lets go. The same stream drives the simulated GPU (real tensors on the CPU) and the
 estimator (fake tensors: shapes only, no memory, no arithmetic).
@@ -30,11 +33,21 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfit.cuda.counting import counting
 
-__all__ = ["StorageTracker", "StorageListener", "Labels", "current_labels", "labelled", "module_labels", "storages_of"]
+__all__ = [
+    "StorageTracker",
+    "Placement",
+    "StorageListener",
+    "Labels",
+    "current_labels",
+    "labelled",
+    "module_labels",
+    "storages_of",
+]
 
 
 @dataclass(frozen=True)
@@ -166,10 +179,39 @@ def storages_of(values: Any) -> Iterator[torch.UntypedStorage]:
     found: list[torch.Tensor] = []
     _tensors(values, found)
     for tensor in found:
-        try:
-            yield tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
-            continue
+        storage = _storage_of(tensor)
+        if storage is not None:
+            yield storage
+
+
+def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+
+
+#: operations that read a host tensor into a device one (or back) without the host tensor
+#: being on the device: ``gpu.copy_(cpu)`` is a host-to-device copy on a GPU
+_COPIES = ("aten.copy_.default", "aten._copy_from.default", "aten._copy_from_and_resize.default")
+
+
+def _indexes_host(args: tuple[Any, ...], host: list[torch.UntypedStorage]) -> bool:
+    """True when an indexing operation's source (its first argument) is a host tensor."""
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    storage = _storage_of(source) if source is not None else None
+    return storage is not None and any(storage is held for held in host)
+
+
+#: operations that pick elements of their first argument by an index: on a GPU the index of
+#: a host tensor is a host tensor (``data[idx]`` of a dataset on the host is a host batch)
+_HOST_INDEXING = (
+    "aten.index.Tensor",
+    "aten.index_select.default",
+    "aten.take.default",
+    "aten.gather.default",
+    "aten.masked_select.default",
+)
 
 
 # -- storage resizes: FSDP2 allocates and frees unsharded parameters by resizing storages ----
@@ -220,6 +262,48 @@ def _unwatch_resizes(tracker: StorageTracker) -> None:
         _resize_users -= 1
         if _resize_users == 0:
             torch.UntypedStorage.resize_ = _original_resize  # type: ignore[method-assign]
+
+
+class Placement(TorchFunctionMode):
+    """Where the code would put a tensor on a GPU, seen from the Python calls themselves.
+
+    Why a function mode: ``.to("cpu")`` of a CPU tensor reaches no ATen operation at all,
+    so the dispatch mode cannot see it. ``tensor.to(device)`` of a tensor the device does
+    not hold is a host-to-device copy on a GPU: here it becomes a copy the device holds
+    (the view's bytes, not the whole storage it may be a view of); ``.to`` of a held
+    tensor returns it as it is.
+
+    Args:
+        tracker: the device's tracker (what it holds, and where a copy is counted).
+    """
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor) or not counting():
+            return out
+        if func is torch.Tensor.to and args:
+            return self._placed(args[0], out, args[1:], kwargs)
+        # ``torch.tensor(data)`` is a host tensor, device="cpu" or not (torch's own code
+        # names "cpu" for what stays on the host: Adam's step counters)
+        return out
+
+    def _placed(self, tensor: torch.Tensor, out: torch.Tensor, args: tuple[Any, ...], kwargs: Any) -> torch.Tensor:
+        if isinstance(tensor, torch.nn.Parameter) or _is_wrapper(type(tensor)) or self.tracker.tracks(out):
+            return out  # a parameter counts where it is used; a DTensor is its local tensors
+        try:
+            target = torch._C._nn._parse_to(*args, **kwargs)[0]
+        except (TypeError, RuntimeError):
+            return out
+        if target is None or torch.device(target).type != "cpu":
+            return out
+        placed = out.clone() if out is tensor else out
+        self.tracker.adopt([placed])
+        return placed
 
 
 class StorageTracker(TorchDispatchMode):
@@ -290,12 +374,39 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if not counting():  # CPU-only scratch work of an emulated CUDA kernel (memfit.cuda)
             return self._call(func, args, kwargs)
-        for storage in storages_of((args, kwargs)):
-            self._see(storage)
+        inputs: list[torch.Tensor] = []
+        _tensors((args, kwargs), inputs)
+        on_device, host = self._sort_inputs(inputs)
+        if host and str(func) in _HOST_INDEXING and _indexes_host(args, host):
+            on_device = False  # a host tensor indexed: on a GPU its index is a host tensor too
+        elif on_device and host and str(func) not in _COPIES:
+            # A host tensor meeting a device tensor: on a GPU it must have been moved there.
+            for storage in host:
+                self._see(storage)
         out = self._call(func, args, kwargs)
-        for storage in storages_of(out):
-            self._see(storage)
+        if on_device or not inputs:  # made on the device (a factory: torch.zeros, arange)
+            for storage in storages_of(out):
+                self._see(storage)
         return out
+
+    def _sort_inputs(self, inputs: list[torch.Tensor]) -> tuple[bool, list[torch.UntypedStorage]]:
+        """Whether an operation has a device tensor among its inputs, and the storages of
+        its host tensors other than 0-dim scalars (which a GPU operation reads from the
+        host). A parameter counts as on the device, wherever it was made."""
+        on_device = False
+        host: list[torch.UntypedStorage] = []
+        for tensor in inputs:
+            storage = _storage_of(tensor)
+            if storage is None:
+                continue
+            with self._lock:
+                tracked = id(storage) in self._tracked
+            if tracked or isinstance(tensor, torch.nn.Parameter):
+                self._see(storage)  # tracked: a resize in place is seen; a parameter: counted
+                on_device = True
+            elif tensor.dim() > 0:
+                host.append(storage)
+        return on_device, host
 
     def _call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the operation (a subclass may turn some of its errors into clearer ones)."""
