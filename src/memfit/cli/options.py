@@ -99,6 +99,24 @@ class OutputPath(click.Path):
         return Path(absolute) if isinstance(converted, Path) else absolute
 
 
+def card_device(device_spec: str, card: str | None) -> str:
+    """The device of a command given ``--gpu CARD``: ``sim:CARD`` unless ``--device`` was given.
+
+    Why: ``--gpu "RTX 4090"`` means that card, its memory as well as its speed; planning on
+    the default ``sim:8GiB`` while ranking by the 4090's speed answered for no real card.
+
+    Args:
+        device_spec: the command's ``--device`` (its default: ``auto``).
+        card: the command's ``--gpu`` (None: not given).
+    """
+    context = click.get_current_context(silent=True)
+    given = context is not None and context.get_parameter_source("device_spec") not in (
+        None,
+        click.core.ParameterSource.DEFAULT,
+    )
+    return f"sim:{card}" if card and not given else device_spec
+
+
 def workload_argument(function: F) -> F:
     """WORKLOAD: a zoo name with options, file.py:function or module:function."""
     from memfit.workload.zoo import DEFAULT_WORKLOAD

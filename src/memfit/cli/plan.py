@@ -8,8 +8,10 @@ import click
 from rich.table import Table
 
 from memfit._io import check_writable
+from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     OutputPath,
+    card_device,
     console,
     device_options,
     err_console,
@@ -89,7 +91,9 @@ def command(
     if plot:
         check_writable(plot, "--plot")  # before the candidates run, not after them
     wl = load_workload(workload)
-    gpu = device(device_spec, memory=memory)
+    gpu = device(card_device(device_spec, speed_gpu), memory=memory)
+    say = None if as_json else (lambda text: err_console.print(f"  {text}"))
+    check_host_memory(gpu, wl)  # before any trial builds the model for real
 
     def progress(c: Candidate) -> None:
         s = c.settings
@@ -113,7 +117,7 @@ def command(
         progress=None if as_json else progress,
         speed_gpu=speed_gpu,
         trials=cast("TrialKind", trials),
-        say=None if as_json else (lambda text: err_console.print(f"  {text}")),
+        say=say,
     )
     if plot:
         write_plot(result, plot)

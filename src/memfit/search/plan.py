@@ -67,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit import distributed
@@ -279,6 +280,16 @@ def plan(
     return _plan(request, PlanHooks(predictor, run_trial, progress, predict_speed, say), trials)
 
 
+def _structure_of(wl: Workload) -> nn.Module:
+    """The model's modules, built on the meta device when it can be: only its structure is read
+    here, and a 7B model built for real would take 27 GB of host memory before any trial."""
+    try:
+        with torch.device("meta"):
+            return wl.build_model()
+    except Exception:  # noqa: BLE001 - a factory that cannot build on meta: build it as the trials will
+        return wl.build_model()
+
+
 def _resolve(
     workload: Workload | str,
     target_batch_size: int,
@@ -304,7 +315,7 @@ def _resolve(
     gpu = make_device(device)
     card = speed_card(gpu, speed_gpu)
     usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
-    model = wl.build_model()
+    model = _structure_of(wl)
     modes = list(checkpointing or checkpointing_modes(model))
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
