@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memfit._io import check_before_output
 from memfit._schema import finite_or_none
 from memfit.run.strategy import SHARDS, check_strategy
 from memfit.search.headroom import DEFAULT_HEADROOM
@@ -30,8 +31,20 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+class _ResultsConsole(Console):
+    """The console of results: nothing is printed once a check refuses the command's outcome.
+
+    Why: a workload that changed the process while memfit ran it (``os.chdir`` in its model
+    factory) is refused when memfit next writes or prints; its table must not reach stdout first.
+    """
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        check_before_output()
+        super().print(*objects, **kwargs)
+
+
 #: results (tables) go to stdout; progress to stderr
-console = Console(highlight=False)
+console = _ResultsConsole(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 #: where results go while a command runs (the stdout it started with), innermost last
@@ -277,6 +290,7 @@ def print_json(data: Any) -> None:
     which no strict parser (``jq``, JavaScript's, Go's) reads; JSON's own word for a figure
     that is not there is ``null``.
     """
+    check_before_output()
     click.echo(json.dumps(finite_or_none(data), indent=2, sort_keys=False, allow_nan=False), file=results_stream())
 
 
