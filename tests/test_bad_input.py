@@ -536,3 +536,49 @@ def test_a_run_the_host_can_hold_is_not_refused(run_cli, monkeypatch):
     with_host_memory(monkeypatch, 2**30)
     status, _, err = run_cli("measure", TINY, "--device", "sim:64MiB", "--batch-size", "2")
     assert status == 0, err
+
+
+# -- noise first (issue 21) -------------------------------------------------------------------
+
+NOISY = """
+import logging, warnings, torch, memfit
+
+def make(fail):
+    def batch(n):
+        return (torch.randn(n, 8), torch.randint(0, 2, (n,)))
+    def model():
+        logging.getLogger("torch._subclasses.fake_tensor").warning("fake tensor raised: dozens of lines")
+        warnings.warn("a two-line UserWarning", UserWarning)
+        return torch.nn.Linear(8, 2, device="meta") if fail == "one line" else torch.nn.Linear(8, 2)
+    def loss(m, b):
+        if fail == "user":
+            raise ValueError("the user's bug")
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    return memfit.Workload(model=model, make_batch=batch, loss=loss)
+
+def one_line():
+    return make("one line")
+
+def user():
+    return make("user")
+
+def fine():
+    return make("")
+"""
+
+
+@pytest.mark.parametrize("function", ["one_line", "user", "fine"])
+def test_torch_logs_and_warnings_come_after_memfits_line(run_cli, tmp_path, function):
+    (tmp_path / "noisy.py").write_text(NOISY)
+    args = ["measure", f"{tmp_path / 'noisy.py'}:{function}", "--device", "sim:64MiB", "--batch-size", "2"]
+    status, out, err = run_cli(*args)
+    lines = err.strip().splitlines()
+    if function == "one_line":  # a refusal: its line is the whole answer
+        one_error_line(status, out, err, "meta device")
+    elif function == "user":
+        assert status == 1 and lines[0].startswith("memfit: error in "), err
+        assert "Traceback" in err and err.index("Traceback") < err.index("fake tensor raised")
+    else:  # results first (stdout), then what torch said
+        assert status == 0 and out and "fake tensor raised" in err and "a two-line UserWarning" in err
+    status, _, err = run_cli("--verbose", *args)  # --verbose: nothing held (pytest captures the live ones)
+    assert "fake tensor raised" not in err and status == {"one_line": 2, "user": 1, "fine": 0}[function]

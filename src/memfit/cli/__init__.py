@@ -52,6 +52,9 @@ __all__ = [
 EXIT_SIGINT = 128 + signal.SIGINT
 EXIT_SIGTERM = 128 + signal.SIGTERM
 
+#: the commands that import torch (doctor, env and check answer without it)
+_TORCH_COMMANDS = ("estimate", "fit", "measure", "plan", "probe", "report")
+
 #: command name -> module that defines ``command``
 COMMANDS: dict[str, str] = {
     "check": "memfit.cli.check",
@@ -86,7 +89,8 @@ class _LazyGroup(click.Group):
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="memfit")
-def cli() -> None:
+@click.option("--verbose", is_flag=True, help="Show torch's log messages and warnings as they come.")
+def cli(verbose: bool) -> None:
     """memfit ends "CUDA out of memory": doctor, estimate, probe, plan, guard, monitor
     and lock the memory of PyTorch training."""
 
@@ -195,19 +199,29 @@ def main(
             command has its outcome, SIGINT and SIGTERM are ignored, so a second signal
             cannot put a traceback or another status after the line already printed.
     """
+    from memfit.cli.noise import noise_held
     from memfit.cli.process_state import state_kept
 
     text_streams_that_always_encode()
-    try:
-        around = within() if within is not None else contextlib.nullcontext()
-        with sigterm_ends_like_sigint(), interrupts_not_lost(), around, state_kept():
-            result = cli.main(args=argv, prog_name="memfit", standalone_mode=False)
-    except BaseException as error:  # noqa: BLE001 - every way out ends in one status and its line
-        if final:
-            ignore_signals()
-        return _ended_by(error)
+    args = sys.argv[1:] if argv is None else list(argv)
+    named = next((i for i, a in enumerate(args) if a in COMMANDS), len(args))
+    verbose = "--verbose" in args[:named]
+    uses_torch = named < len(args) and args[named] in _TORCH_COMMANDS
+    with noise_held(verbose, uses_torch) as held:
+        try:
+            around = within() if within is not None else contextlib.nullcontext()
+            with sigterm_ends_like_sigint(), interrupts_not_lost(), around, state_kept():
+                result = cli.main(args=args, prog_name="memfit", standalone_mode=False)
+        except BaseException as error:  # noqa: BLE001 - every way out ends in one status and its line
+            if final:
+                ignore_signals()
+            status = _ended_by(error)
+            if status == 1:  # the user's traceback is shown: what torch said belongs with it
+                held.show()
+            return status
     if final:
         ignore_signals()
+    held.show()
     return result if isinstance(result, int) else 0
 
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
 class _ResultsConsole(Console):
     """The console of results: nothing is printed once a check refuses the command's outcome.
 

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     "speed_gpu",
     default=None,
     metavar="NAME",
-    help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM).",
+    help="Plan for this GPU of the table: its memory (sim:NAME, unless --device is given) and its predicted speed.",
 )
 @trials_option
 @json_option
