@@ -85,6 +85,9 @@ class Case:
     quick: bool = False
     #: the error comes after the work (a disk that fails at the end): progress lines may precede it
     late: bool = False
+    #: distributed: the ranks started (the first one is judged), and variables of one rank only
+    ranks: tuple[int, ...] = (0, 1)
+    rank_env: dict[int, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -709,7 +712,7 @@ def option_cases() -> list[Case]:
             "MEMFIT_COLLECTIVE_TIMEOUT=-1 under torchrun",
             ["probe", TINY, "--device", "sim:64MiB"],
             env={**torchrun, "MEMFIT_COLLECTIVE_TIMEOUT": "-1"},
-            message="positive number of seconds",
+            message="must be a number of seconds from 1",
         )
     )
     return cases
@@ -877,6 +880,8 @@ def distributed_cases() -> list[Case]:
 
 
 def all_cases(seed: int) -> list[Case]:
+    from hostile_cases import hostile_cases  # issue 21's classes; it imports this module's helpers
+
     return (
         zoo_cases()
         + workload_file_cases()
@@ -886,6 +891,7 @@ def all_cases(seed: int) -> list[Case]:
         + fault_cases()
         + interrupt_cases(seed)
         + distributed_cases()
+        + hostile_cases(seed)
     )
 
 
@@ -988,9 +994,9 @@ def _judge(
             return False, f"status {status}; {lines[-3:]}", ""
         if "--json" in case.argv:
             try:
-                json.loads(out)
+                json.loads(out, parse_constant=_no_constant)  # strict: no bare NaN or Infinity
             except ValueError:
-                return False, "stdout is not JSON alone", ""
+                return False, "stdout is not strict JSON alone", ""
         broken = [why for p in left if (why := _whole(p))]
         return (not broken), "; ".join(broken), ""
     if case.expect == "interrupt":
@@ -1015,6 +1021,10 @@ def _judge(
             return False, f"line lacks {case.message!r}: {errors[0]}", ""
         return True, "", ""
     return False, f"unknown expectation {case.expect}", ""
+
+
+def _no_constant(text: str) -> None:
+    raise ValueError(f"bare {text} in the JSON")
 
 
 def run_forked(case: Case, folder: Path) -> Outcome:
@@ -1063,16 +1073,19 @@ def run_two_ranks(case: Case, folder: Path) -> Outcome:
     port = _free_port()
     processes = []
     started = time.monotonic()
-    for rank in range(2):
+    for rank in case.ranks:
         env = {
             **os.environ,
             **case.env,
+            **case.rank_env.get(rank, {}),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "MEMFIT_COLLECTIVE_TIMEOUT": "3",
+            **(
+                {} if "MEMFIT_COLLECTIVE_TIMEOUT" in case.rank_env.get(rank, {}) else {"MEMFIT_COLLECTIVE_TIMEOUT": "3"}
+            ),
             "PYTHONPATH": os.pathsep.join([str(SOURCE), os.environ.get("PYTHONPATH", "")]),
         }
         processes.append(
@@ -1149,7 +1162,11 @@ def summary_table(outcomes: list[Outcome]) -> str:
         "options": "one line, exit 2",
         "injected faults": "a failing disk: one line, exit 2, no temp file; crash remains and prints: a result",
         "interrupts": "exit 130 / 143 and `memfit: aborted`, no traceback, every file left whole, no temp file",
-        "distributed": "rank 0 ends within the timeout (3 s) with one line naming rank 1",
+        "distributed": "the waiting rank ends within the timeout (3 s) with one line naming the missing rank or the address",
+        "hostile files": "every damaged field of a lock, environment.json, run or result: one line naming the field, exit 2",
+        "user code": "sys.exit, os.chdir, default dtype, deterministic flag in the model, make_batch or loss: one line, exit 2, state restored, nothing written",
+        "environment": "torchrun variables, timeouts, an ASCII terminal, a 4400-character allocator setting, a meta model",
+        "host memory": "real steps the host cannot hold (a small MemAvailable through the seam): one line before the model is built",
     }
     for group, members in groups.items():
         held = sum(o.held for o in members)
@@ -1188,8 +1205,12 @@ def main() -> int:
             f"`{command}` (seed {args.seed}) drove every command (doctor, env export/check, estimate, "
             "measure, probe, plan, fit, check, report) through "
             f"{len(outcomes)} cases: bad input, SIGINT/SIGTERM at random moments, injected faults "
-            "(a disk that fails during a write), and a rank frozen or killed under two gloo "
-            f"processes. **{held} of {len(outcomes)} held.**\n\n"
+            "(a disk that fails during a write), a rank frozen or killed under two gloo "
+            "processes, and issue 21's classes (bench/hostile_cases.py): every damaged field of "
+            "each file memfit reads, output paths past the OS limits or blocked, user code that "
+            "exits or changes the process, torchrun variables, an ASCII terminal, the host's "
+            "memory through the system seam, ranks that never join. "
+            f"**{held} of {len(outcomes)} held.**\n\n"
             f"{summary_table(outcomes)}\n\n"
             f"Interrupts: {notes.get('interrupted', 0)} interrupted mid-command, "
             f"{notes.get('finished before the signal', 0)} finished before their signal arrived "

@@ -306,6 +306,27 @@ def test_doctor_counts_an_allocator_setting_torch_refuses_as_an_error(run_cli, m
     assert errors[0]["fix"] == "replace expandable_segment with expandable_segments in PYTORCH_CUDA_ALLOC_CONF"
 
 
+@pytest.mark.parametrize("value", ["max_split_size_mb:" + "9" * 4400, "x" * 4400, "expandable_segments:True," * 180])
+def test_doctor_json_reads_a_4400_character_allocator_setting(run_cli, monkeypatch, value):
+    probe = RecordedProbe(torch=TorchFacts(version="2.13.0+cpu"), environ={"PYTORCH_CUDA_ALLOC_CONF": value})
+    monkeypatch.setattr(system, "current_probe", lambda: probe)
+    status, out, err = run_cli("doctor", "--json")
+    assert status in (0, 1) and "Traceback" not in err, err
+    assert json.loads(out)["findings"] is not None
+
+
+def test_a_model_built_on_the_meta_device_is_one_line(run_cli, tmp_path):
+    (tmp_path / "meta.py").write_text(
+        "import torch, memfit\n"
+        "def make():\n"
+        "    return memfit.Workload(model=lambda: torch.nn.Linear(8, 2, device='meta'),\n"
+        "        make_batch=lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,))),\n"
+        "        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))\n"
+    )
+    args = ["measure", f"{tmp_path / 'meta.py'}:make", "--device", "sim:64MiB", "--batch-size", "2"]
+    one_error_line(*run_cli(*args), "built its model on the meta device")
+
+
 # -- every field of environment.json, run files and results (issue 21) -----------------------
 
 FINGERPRINT = {"schema": "memfit.environment", "schema_version": 1, "python": "3.11.7", "os": "Linux"}
@@ -478,3 +499,86 @@ def test_a_251_byte_name_is_written_though_its_temp_name_would_pass_255(tmp_path
     check_writable(target)
     write_atomically(target, "x = 1\n")
     assert [p.name for p in tmp_path.iterdir()] == [target.name] and target.read_text() == "x = 1\n"
+
+
+# -- the host's memory, through the system seam (issue 21) ------------------------------------
+
+
+def with_host_memory(monkeypatch: pytest.MonkeyPatch, available: int) -> None:
+    from memfit.environment.system import HostFacts
+
+    host = HostFacts("Linux", "6.1", "x86_64", 2, 4 * available, available, None, None)
+    monkeypatch.setattr(system, "current_probe", lambda: RecordedProbe(host=host))
+
+
+def test_plan_gpu_x_means_the_card_and_a_real_trial_that_would_exhaust_the_host_is_refused(run_cli, monkeypatch):
+    """`plan llama-7b --gpu "RTX 4090"` grew to 24 GB of host memory; a small limit through the seam refuses it."""
+    with_host_memory(monkeypatch, 2**30)
+    args = ["plan", "llama-7b:seq_len=512", "--gpu", "RTX 4090", "--target-batch", "8", "--trials", "real"]
+    line = one_error_line(
+        *run_cli(*args), "on sim:RTX 4090 need about", "more than the 1.00 GiB this machine has available"
+    )
+    assert "use `memfit estimate`" in line
+
+
+@pytest.mark.parametrize(
+    "command", [["measure", "--batch-size", "2"], ["probe"], ["plan", "--target-batch", "4"], ["fit"]]
+)
+def test_a_real_run_the_host_cannot_hold_is_refused_before_it_starts(run_cli, monkeypatch, tmp_path, command):
+    with_host_memory(monkeypatch, 16 * 2**20)
+    monkeypatch.chdir(tmp_path)
+    args = [command[0], "mlp:layers=2,width=1024,features=1024", "--device", "sim:64MiB", *command[1:]]
+    one_error_line(*run_cli(*args), "MiB of host memory (parameters", "more than the 16.00 MiB this machine has")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_the_host_can_hold_is_not_refused(run_cli, monkeypatch):
+    with_host_memory(monkeypatch, 2**30)
+    status, _, err = run_cli("measure", TINY, "--device", "sim:64MiB", "--batch-size", "2")
+    assert status == 0, err
+
+
+# -- noise first (issue 21) -------------------------------------------------------------------
+
+NOISY = """
+import logging, warnings, torch, memfit
+
+def make(fail):
+    def batch(n):
+        return (torch.randn(n, 8), torch.randint(0, 2, (n,)))
+    def model():
+        logging.getLogger("torch._subclasses.fake_tensor").warning("fake tensor raised: dozens of lines")
+        warnings.warn("a two-line UserWarning", UserWarning)
+        return torch.nn.Linear(8, 2, device="meta") if fail == "one line" else torch.nn.Linear(8, 2)
+    def loss(m, b):
+        if fail == "user":
+            raise ValueError("the user's bug")
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+    return memfit.Workload(model=model, make_batch=batch, loss=loss)
+
+def one_line():
+    return make("one line")
+
+def user():
+    return make("user")
+
+def fine():
+    return make("")
+"""
+
+
+@pytest.mark.parametrize("function", ["one_line", "user", "fine"])
+def test_torch_logs_and_warnings_come_after_memfits_line(run_cli, tmp_path, function):
+    (tmp_path / "noisy.py").write_text(NOISY)
+    args = ["measure", f"{tmp_path / 'noisy.py'}:{function}", "--device", "sim:64MiB", "--batch-size", "2"]
+    status, out, err = run_cli(*args)
+    lines = err.strip().splitlines()
+    if function == "one_line":  # a refusal: its line is the whole answer
+        one_error_line(status, out, err, "meta device")
+    elif function == "user":
+        assert status == 1 and lines[0].startswith("memfit: error in "), err
+        assert "Traceback" in err and err.index("Traceback") < err.index("fake tensor raised")
+    else:  # results first (stdout), then what torch said
+        assert status == 0 and out and "fake tensor raised" in err and "a two-line UserWarning" in err
+    status, _, err = run_cli("--verbose", *args)  # --verbose: nothing held (pytest captures the live ones)
+    assert "fake tensor raised" not in err and status == {"one_line": 2, "user": 1, "fine": 0}[function]

@@ -8,6 +8,7 @@ agreement after its first trial (frozen peer) or died with gloo's traceback (dea
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,3 +166,65 @@ def test_sigterm_during_the_wait_ends_the_rank_like_ctrl_c(tmp_path: Path, torch
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+# -- before the rendezvous (issue 21) ---------------------------------------------------------
+
+TINY_PROBE = ["probe", "mlp:layers=1,width=8,features=8", "--device", "sim:64MiB", "--max-batch-size", "2"]
+
+
+def one_rank(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "memfit", *TINY_PROBE],
+        env=this_memfit(env),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+    )
+    return done, time.monotonic() - started
+
+
+def test_a_rank_that_never_starts_is_named_by_rank_0_within_the_timeout(tmp_path: Path, torchrun_env: Any) -> None:
+    done, _ = one_rank(tmp_path, torchrun_env(2, MEMFIT_COLLECTIVE_TIMEOUT="3")[0])
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memfit: error: rank 1 did not join the job at 127.0.0.1:")
+    assert "within 3 s (rank 0 waited)" in lines[0]
+
+
+def test_an_unreachable_master_is_named_by_the_other_rank(tmp_path: Path, torchrun_env: Any) -> None:
+    done, _ = one_rank(tmp_path, torchrun_env(2, MEMFIT_COLLECTIVE_TIMEOUT="2")[1])
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]  # no C++ stack of torch's
+    assert lines[0].startswith("memfit: error: rank 1 could not reach the job's master at 127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': must be a whole number from 1"),
+        ({"RANK": "abc"}, "RANK='abc': must be a whole number from 0 to 1"),
+        ({"RANK": "2"}, "RANK='2': must be a whole number from 0 to 1"),
+        ({"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1'"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),
+        ({"MEMFIT_COLLECTIVE_TIMEOUT": "1e-9"}, "MEMFIT_COLLECTIVE_TIMEOUT='1e-9': must be a number of seconds from 1"),
+        ({"MEMFIT_COLLECTIVE_TIMEOUT": "1e300"}, "MEMFIT_COLLECTIVE_TIMEOUT='1e300'"),
+    ],
+)
+def test_torchrun_variables_are_checked_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, torchrun_env: Any, variables: dict[str, str], message: str
+) -> None:
+    for name, value in {**torchrun_env(2)[0], **variables}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(MemfitError, match=re.escape(message)):
+        distributed.check_environment()
+
+
+def test_rank_abc_under_python_m_memfit_is_one_line_and_exit_2(tmp_path: Path, torchrun_env: Any) -> None:
+    env = {**torchrun_env(2)[0], "RANK": "abc"}
+    done, _ = one_rank(tmp_path, env)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "memfit: error: RANK='abc': must be a whole number from 0 to 1, as torchrun sets it; check the job's environment"
+    ]

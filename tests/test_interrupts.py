@@ -180,3 +180,71 @@ def test_an_interrupt_that_lands_in_a_finalizer_is_not_lost(sig):
         del storage  # the callback runs, its exception cannot propagate
         assert watcher() is None
         time.sleep(5)  # the signal comes again from the helper thread and ends the block
+
+
+# -- every moment, and a second signal (issue 21) ---------------------------------------------
+
+INTERRUPTED_CLEANUP = """
+import atexit, os, signal, torch, memfit
+
+def make():
+    def batch(n):
+        if os.environ.get("SECOND"):  # a second signal once the command has its outcome
+            atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))
+        try:
+            raise KeyboardInterrupt  # Ctrl-C, landing in the user's code
+        finally:
+            {}["half-updated"]  # the clean-up it interrupted then fails: a KeyError
+    return memfit.Workload(model=lambda: torch.nn.Linear(8, 2), make_batch=batch,
+        loss=lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
+"""
+
+
+def test_an_error_that_an_interrupt_caused_in_clean_up_ends_as_the_interrupt(run_cli, tmp_path):
+    """Ctrl-C during estimate ended now and then in a KeyError traceback: what the interrupt broke."""
+    (tmp_path / "cleanup.py").write_text(INTERRUPTED_CLEANUP)
+    status, out, err = run_cli(
+        "measure", f"{tmp_path / 'cleanup.py'}:make", "--device", "sim:64MiB", "--batch-size", "2"
+    )
+    assert (status, out) == (EXIT_SIGINT, "")
+    assert err.strip().splitlines()[-1] == "memfit: aborted" and "Traceback" not in err
+
+
+def test_a_second_signal_after_the_outcome_keeps_the_line_and_the_status(tmp_path):
+    (tmp_path / "cleanup.py").write_text(INTERRUPTED_CLEANUP)
+    env = {**os.environ, "SECOND": "1", "PYTHONPATH": SOURCE, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "memfit", "measure", "cleanup.py:make", "--device", "sim:64MiB", "--batch-size", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_SIGINT, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == "memfit: aborted" and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "line"),
+    [(signal.SIGINT, 130, "memfit: aborted"), (signal.SIGTERM, 143, "memfit: aborted (SIGTERM)")],
+)
+def test_a_signal_during_the_imports_ends_with_the_line(sig, status, line):
+    """The handlers come first in memfit.__main__: a signal while click and memfit are imported is not silent."""
+    code = (
+        "import os, signal, sys, runpy\n"
+        f"sys.path.insert(0, {SOURCE!r})\n"
+        "import memfit.errors\n"
+        "import builtins\n"
+        "real_import = builtins.__import__\n"
+        "def slow_import(name, *args, **kwargs):\n"
+        "    if name == 'memfit.cli':\n"
+        f"        os.kill(os.getpid(), {int(sig)})\n"
+        "    return real_import(name, *args, **kwargs)\n"
+        "builtins.__import__ = slow_import\n"
+        "sys.argv = ['memfit', 'doctor']\n"
+        "runpy.run_module('memfit', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [line]

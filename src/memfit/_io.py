@@ -41,6 +41,7 @@ __all__ = [
     "check_writable",
     "check_writable_folder",
     "write_guards",
+    "check_before_output",
 ]
 
 #: checks every write runs first (a command's: the process state its workload must keep)
@@ -66,6 +67,12 @@ def write_guards(check: Callable[[], None]) -> Iterator[None]:
 
 #: the signals that end a program politely; both must not cut a write in half
 _HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def check_before_output() -> None:
+    """Run every check of :func:`write_guards` (before a file is written, or a result printed)."""
+    for check in list(_WRITE_GUARDS):
+        check()
 
 
 def new_file_mode() -> int:
@@ -148,8 +155,7 @@ def write_atomically(path: str | os.PathLike[str], data: bytes | str, *, encodin
         data: the whole content; text is encoded with ``encoding``.
         encoding: the encoding of text data.
     """
-    for check in list(_WRITE_GUARDS):
-        check()
+    check_before_output()
     target = Path(path)
     payload = data.encode(encoding) if isinstance(data, str) else bytes(data)
     try:

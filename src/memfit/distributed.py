@@ -24,6 +24,7 @@ import contextlib
 import datetime
 import functools
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "TIMEOUT_VARIABLE",
     "collective_timeout",
     "launched_by_torchrun",
+    "check_environment",
     "process_group",
     "output_on_main_only",
     "is_distributed",
@@ -64,7 +66,43 @@ def launched_by_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     """
     env = os.environ if environ is None else environ
     needed = ("RANK", "MASTER_ADDR", "MASTER_PORT")
-    return int(env.get("WORLD_SIZE", "1")) > 1 and all(name in env for name in needed)
+    return _whole(env, "WORLD_SIZE", 1, _MOST_RANKS) > 1 and all(name in env for name in needed)
+
+
+#: the most ranks a job of torchrun's can have, as memfit reads its variables
+_MOST_RANKS = 2**20
+
+
+def _whole(env: Mapping[str, str], name: str, low: int, high: int, default: str = "1") -> int:
+    """The whole number in variable ``name``; a one-line MemfitError for anything else (``two``, ``-1``)."""
+    text = env.get(name, default).strip()
+    if not text.isdigit() or len(text) > 12 or not low <= int(text) <= high:
+        raise MemfitError(
+            f"{name}={text[:40]!r}: must be a whole number from {low} to {high}, as torchrun sets it; "
+            "check the job's environment"
+        )
+    return int(text)
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse, in one line, torchrun variables no launcher sets: ``WORLD_SIZE=two``, ``RANK=abc``,
+    a rank past the world size, a port past 65535.
+
+    Args:
+        environ: the variables (default: this process's).
+
+    >>> check_environment({"WORLD_SIZE": "2", "RANK": "abc"})
+    Traceback (most recent call last):
+    memfit.errors.MemfitError: RANK='abc': must be a whole number from 0 to 1, as torchrun sets it; check the job's environment
+    """
+    env = os.environ if environ is None else environ
+    world = _whole(env, "WORLD_SIZE", 1, _MOST_RANKS)
+    for name in ("RANK", "LOCAL_RANK"):
+        if name in env:
+            _whole(env, name, 0, world - 1, "0")
+    if "MASTER_PORT" in env:
+        _whole(env, "MASTER_PORT", 1, 65535)
+    collective_timeout()
 
 
 #: seconds memfit waits at one of its collectives for every rank: long enough for the
@@ -113,9 +151,17 @@ def collective_timeout(seconds: float | None = None) -> float:
         where = f"{TIMEOUT_VARIABLE}={text!r}"
     else:
         where = f"collective timeout {seconds!r}"
-    if isinstance(seconds, bool) or not seconds > 0 or seconds == float("inf"):
-        raise MemfitError(f"{where}: must be a positive number of seconds")
+    if isinstance(seconds, bool) or not _LEAST_TIMEOUT <= seconds <= _MOST_TIMEOUT:
+        raise MemfitError(
+            f"{where}: must be a number of seconds from {_LEAST_TIMEOUT:g} to {_MOST_TIMEOUT:g} (a week), such as 600"
+        )
     return float(seconds)
+
+
+#: the shortest wait memfit accepts: a rank's first trial alone takes longer (1e-9 s failed every job)
+_LEAST_TIMEOUT = 1.0
+#: the longest: a week (timedelta overflows long before 1e300 s)
+_MOST_TIMEOUT = 7 * 24 * 3600.0
 
 
 @contextlib.contextmanager
@@ -138,13 +184,14 @@ def process_group(backend: str | None = None, *, timeout: float | None = None) -
         if not launched_by_torchrun() or not dist.is_available() or dist.is_initialized():
             yield dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
             return
+        check_environment()
         chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if chosen == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         # gloo's own timeout is memfit's: a collective that times out fails cleanly, and the
         # group can then be destroyed without waiting for it
         margin = _NCCL_MARGIN if chosen == "nccl" else 0.0
-        dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=seconds + margin))
+        _join(chosen, seconds, margin)
         _state.entered, _state.broken, _state.own_gloo_group = 0, False, chosen == "gloo"
         finished = False
         try:
@@ -154,6 +201,101 @@ def process_group(backend: str | None = None, *, timeout: float | None = None) -
             _leave(orderly=finished and not _state.broken)
     finally:
         _state.timeout = previous
+
+
+def _join(backend: str, seconds: float, margin: float) -> None:
+    """Join torchrun's job through a store memfit makes, so a rank that never comes is named.
+
+    Why not ``init_process_group``'s own rendezvous: rank 0 then waits for the others and
+    ends in torch's DistStoreError traceback ("1/2 clients joined"), not naming who is
+    missing; a rank that cannot reach the master ends in DistNetworkError's. Here each rank
+    notes itself in the store (``memfit/joined/RANK``), so the one line names the ranks
+    that never joined, or the address that could not be reached.
+    """
+    me, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # checked by check_environment
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    wait = datetime.timedelta(seconds=seconds)
+    # torchrun's agent already serves the store on MASTER_PORT: every rank is then its client
+    master = me == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    if not master:
+        _reach(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), me, seconds)
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, master, wait, wait_for_workers=False
+        )
+        store.set(f"memfit/joined/{me}", "1")
+    except RuntimeError as error:  # DistNetworkError, DistStoreError: both RuntimeErrors
+        reason = " ".join(str(error).split())[:160]
+        raise RankTimeoutError(
+            f"rank {me} could not reach the job's master at {address} within {seconds:g} s ({reason}); "
+            f"check MASTER_ADDR and MASTER_PORT, and that rank 0 started"
+        ) from None
+    _wait_for_ranks(store, me, world, seconds, address)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            store=store,
+            rank=me,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=seconds + margin),
+        )
+    except RuntimeError:
+        raise RankTimeoutError(_missing(store, me, world, seconds, address)) from None
+
+
+def _reach(host: str, port: int, me: int, seconds: float) -> None:
+    """Wait until the master's store accepts a connection, or refuse in one line naming the address.
+
+    Why a plain socket first: torch's client logs each failed try with a C++ stack of forty
+    lines before it gives up; rank 0 not started yet is the common case, so keep trying.
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
+                return
+        except OSError as error:
+            if time.monotonic() >= deadline:
+                reason = error.strerror or type(error).__name__
+                raise RankTimeoutError(
+                    f"rank {me} could not reach the job's master at {host}:{port} within {seconds:g} s ({reason}): "
+                    "check MASTER_ADDR and MASTER_PORT, and that rank 0 started"
+                ) from None
+        time.sleep(0.1)
+
+
+def _joined(store: Any, world: int) -> list[int]:
+    """The ranks not yet noted in the store (all of them when the store is gone)."""
+    missing = []
+    for other in range(world):
+        try:
+            if not store.check([f"memfit/joined/{other}"]):
+                missing.append(other)
+        except Exception:  # noqa: BLE001 - the store's host ended: nobody can be seen
+            return list(range(world))
+    return missing
+
+
+def _missing(store: Any, me: int, world: int, seconds: float, address: str) -> str:
+    missing = [rank for rank in _joined(store, world) if rank != me]
+    who = (
+        f"rank {missing[0]}" if len(missing) == 1 else f"ranks {', '.join(map(str, missing))}" if missing else "a rank"
+    )
+    return (
+        f"{who} did not join the job at {address} within {seconds:g} s (rank {me} waited): it never started, "
+        f"or ended before joining; {TIMEOUT_VARIABLE}=SECONDS sets the wait"
+    )
+
+
+def _wait_for_ranks(store: Any, me: int, world: int, seconds: float, address: str) -> None:
+    """Wait until every rank noted itself in the store, answering Ctrl-C meanwhile; else name the missing."""
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while _joined(store, world):
+        if time.monotonic() > deadline:
+            raise RankTimeoutError(_missing(store, me, world, seconds, address))
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _leave(orderly: bool) -> None:
@@ -314,7 +456,7 @@ def output_on_main_only(rank: int | None = None) -> Iterator[None]:
     Why: N processes printing the same agreed answer is noise, and N JSON documents on
     one stdout are not JSON.
     """
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    rank = _whole(os.environ, "RANK", 0, _MOST_RANKS, "0") if rank is None else rank
     if rank == 0:
         yield
         return
@@ -331,13 +473,13 @@ def rank() -> int:
     """This process's rank (0 without a process group; RANK when torchrun set it)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return _whole(os.environ, "RANK", 0, _MOST_RANKS, "0")
 
 
 def world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return _whole(os.environ, "WORLD_SIZE", 1, _MOST_RANKS)
 
 
 def is_main_process() -> bool:

@@ -23,6 +23,8 @@ __all__ = [
     "DeviceError",
     "DoesNotFitError",
     "RankTimeoutError",
+    "Terminated",
+    "interrupted_by",
     "register_workload_source",
     "workload_code_of",
 ]
@@ -49,6 +51,43 @@ class DoesNotFitError(MemfitError):
 
 class RankTimeoutError(MemfitError):
     """Another rank of a distributed job did not answer a memfit collective in time."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: end the command as Ctrl-C would (``finally`` blocks run, files stay whole).
+
+    A BaseException, like KeyboardInterrupt, so no ``except Exception`` swallows it. Here,
+    at the base, so the entry point can install its handler before importing anything else.
+    """
+
+
+def interrupted_by(error: BaseException) -> type[BaseException] | None:
+    """The interrupt (KeyboardInterrupt or Terminated) that ``error`` arose from, or None.
+
+    Why: an interrupt that lands in the middle of clean-up code can make that code raise
+    something else (a KeyError from a half-updated table); the command was still
+    interrupted, and must end as one, not with that error's traceback.
+
+    >>> try:
+    ...     try:
+    ...         raise KeyboardInterrupt
+    ...     finally:
+    ...         {}["gone"]
+    ... except KeyError as error:
+    ...     interrupted_by(error).__name__
+    'KeyboardInterrupt'
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        item = pending.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (KeyboardInterrupt, Terminated)):
+            return type(item)
+        pending.extend((item.__context__, item.__cause__))
+    return None
 
 
 def register_workload_source(path: str | os.PathLike[str], ref: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import click
 
 from memfit._version import __version__
-from memfit.errors import MemfitError, workload_code_of
+from memfit.errors import MemfitError, Terminated, interrupted_by, workload_code_of
 
 __all__ = [
     "main",
@@ -51,6 +51,9 @@ __all__ = [
 #: exit statuses after an interrupt: 128 + the signal's number, as a shell reports it
 EXIT_SIGINT = 128 + signal.SIGINT
 EXIT_SIGTERM = 128 + signal.SIGTERM
+
+#: the commands that import torch (doctor, env and check answer without it)
+_TORCH_COMMANDS = ("estimate", "fit", "measure", "plan", "probe", "report")
 
 #: command name -> module that defines ``command``
 COMMANDS: dict[str, str] = {
@@ -86,16 +89,10 @@ class _LazyGroup(click.Group):
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="memfit")
-def cli() -> None:
+@click.option("--verbose", is_flag=True, help="Show torch's log messages and warnings as they come.")
+def cli(verbose: bool) -> None:
     """memfit ends "CUDA out of memory": doctor, estimate, probe, plan, guard, monitor
     and lock the memory of PyTorch training."""
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: end the command as Ctrl-C would (``finally`` blocks run, files stay whole).
-
-    A BaseException, like KeyboardInterrupt, so no ``except Exception`` swallows it.
-    """
 
 
 @contextlib.contextmanager
@@ -187,45 +184,92 @@ def text_streams_that_always_encode() -> None:
                 reconfigure(errors="memfit-ascii")
 
 
-def main(argv: list[str] | None = None, within: Callable[[], AbstractContextManager[object]] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    within: Callable[[], AbstractContextManager[object]] | None = None,
+    final: bool = False,
+) -> int:
     """Run the command line; return the exit status instead of raising SystemExit.
 
     Args:
         argv: the arguments (default: ``sys.argv[1:]``).
         within: a context the command runs inside (torchrun's process group), so that
             its errors and interrupts end the same way as the command's.
+        final: the process ends once this returns (the entry points): from the moment the
+            command has its outcome, SIGINT and SIGTERM are ignored, so a second signal
+            cannot put a traceback or another status after the line already printed.
     """
+    from memfit.cli.noise import noise_held
     from memfit.cli.process_state import state_kept
 
     text_streams_that_always_encode()
-    try:
-        around = within() if within is not None else contextlib.nullcontext()
-        with sigterm_ends_like_sigint(), interrupts_not_lost(), around, state_kept():
-            result = cli.main(args=argv, prog_name="memfit", standalone_mode=False)
-    except SystemExit as error:
+    args = sys.argv[1:] if argv is None else list(argv)
+    named = next((i for i, a in enumerate(args) if a in COMMANDS), len(args))
+    verbose = "--verbose" in args[:named]
+    uses_torch = named < len(args) and args[named] in _TORCH_COMMANDS
+    with noise_held(verbose, uses_torch) as held:
+        try:
+            around = within() if within is not None else contextlib.nullcontext()
+            with sigterm_ends_like_sigint(), interrupts_not_lost(), around, state_kept():
+                result = cli.main(args=args, prog_name="memfit", standalone_mode=False)
+        except BaseException as error:  # noqa: BLE001 - every way out ends in one status and its line
+            if final:
+                ignore_signals()
+            status = _ended_by(error)
+            if status == 1:  # the user's traceback is shown: what torch said belongs with it
+                held.show()
+            return status
+    if final:
+        ignore_signals()
+    held.show()
+    return result if isinstance(result, int) else 0
+
+
+def ignore_signals() -> None:
+    """SIGINT and SIGTERM do nothing from now on (the process is ending; only the main thread can)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def aborted(interrupt: type[BaseException]) -> int:
+    """Print the line of an interrupted command; return its status (130 after SIGINT, 143 after SIGTERM)."""
+    if issubclass(interrupt, Terminated):
+        _say("memfit: aborted (SIGTERM)")
+        return EXIT_SIGTERM
+    _say("memfit: aborted")
+    return EXIT_SIGINT
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # stderr closed or gone: the status still tells
+        click.echo(line, err=True)
+
+
+def _ended_by(error: BaseException) -> int:
+    """The exit status (and the one line) of a command that ended with ``error``."""
+    if isinstance(error, SystemExit):
         where = workload_code_of(error)
         if where is None:
-            raise
+            raise error
         return user_error(
             f"{where} called sys.exit({error.code!r}) while memfit ran it: memfit's work did not finish, "
             "nothing was written; a workload must return, not exit"
         )
-    except MemfitError as error:
+    if isinstance(error, click.exceptions.Abort):
+        return aborted(KeyboardInterrupt)
+    interrupt = interrupted_by(error)
+    if interrupt is not None:  # the interrupt itself, or what clean-up raised because of it
+        return aborted(interrupt)
+    if isinstance(error, MemfitError):
         return user_error(str(error))
-    except click.ClickException as error:
+    if isinstance(error, click.ClickException):
         return user_error(error.format_message())
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("memfit: aborted", err=True)
-        return EXIT_SIGINT
-    except Terminated:
-        click.echo("memfit: aborted (SIGTERM)", err=True)
-        return EXIT_SIGTERM
-    except Exception as error:
+    if isinstance(error, Exception):
         where = workload_code_of(error)
-        if where is None:
-            raise  # a bug in memfit: the whole traceback
-        return _workload_code_error(error, where)
-    return result if isinstance(result, int) else 0
+        if where is not None:
+            return _workload_code_error(error, where)
+    raise error  # a bug in memfit: the whole traceback
 
 
 def user_error(message: str) -> int:
@@ -260,4 +304,6 @@ def exit_with(status: int) -> None:
 
 
 def entry_point() -> None:
-    exit_with(main())
+    """An older ``memfit`` script's entry (the command is now :func:`memfit.__main__.run`, whose
+    handlers are in place before any import); without torchrun's process group."""
+    exit_with(main(final=True))

@@ -6,8 +6,11 @@ from typing import TYPE_CHECKING, cast
 
 import click
 
+from memfit._io import check_writable, check_writable_folder
+from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     OutputPath,
+    card_device,
     console,
     device_options,
     err_console,
@@ -20,7 +23,10 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.memory.devices import device
+from memfit.reporting.pages import check_report_outputs
+from memfit.search.candidates import check_target
 from memfit.search.fit import fit
+from memfit.workload import load_workload
 
 if TYPE_CHECKING:
     from memfit.run.settings import Precision
@@ -68,7 +74,7 @@ if TYPE_CHECKING:
     "speed_gpu",
     default=None,
     metavar="NAME",
-    help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM).",
+    help="Plan for this GPU of the table: its memory (sim:NAME, unless --device is given) and its predicted speed.",
 )
 @trials_option
 @json_option
@@ -92,10 +98,16 @@ def command(
     as_json: bool,
 ) -> None:
     """Find what fits and the fastest settings for WORKLOAD; write memfit.lock and a report."""
-    gpu = device(device_spec, memory=memory)
+    gpu = device(card_device(device_spec, speed_gpu), memory=memory)
     say = None if as_json else (lambda text: err_console.print(f"[dim]memfit fit ·[/dim] {text}"))
+    if target is not None:
+        check_target(target, world_size)  # before the workload is loaded
+    check_writable(lock_path, "lock")  # and every output: seconds now, not after the search
+    check_report_outputs(check_writable_folder(report_dir, "report folder") / "report.html")
+    wl = load_workload(workload)
+    check_host_memory(gpu, wl)  # before any trial builds the model for real
     result = fit(
-        workload,
+        wl,
         gpu,
         target_batch_size=target,
         headroom=headroom,

@@ -7,6 +7,7 @@ from typing import Any
 import click
 from rich.table import Table
 
+from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     alloc_conf_option,
     apply_alloc_conf,
@@ -67,6 +68,7 @@ def command(
         )
     wl = load_workload(workload)
     gpu = device(device_spec, memory=memory)
+    check_host_memory(gpu, wl)  # a real run: refused before it exhausts the host
     result = measure(wl, batch_size, gpu, settings, steps=steps)
     per_rank = _every_rank(result) if world_size > 1 else None
     if as_json:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from memfit._io import check_before_output
 from memfit._schema import finite_or_none
 from memfit.errors import MemfitError
 from memfit.run.strategy import SHARDS, check_strategy
@@ -31,8 +32,21 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
+class _ResultsConsole(Console):
+    """The console of results: nothing is printed once a check refuses the command's outcome.
+
+    Why: a workload that changed the process while memfit ran it (``os.chdir`` in its model
+    factory) is refused when memfit next writes or prints; its table must not reach stdout first.
+    """
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        check_before_output()
+        super().print(*objects, **kwargs)
+
+
 #: results (tables) go to stdout; progress to stderr
-console = Console(highlight=False)
+console = _ResultsConsole(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
 #: where results go while a command runs (the stdout it started with), innermost last
@@ -98,6 +112,24 @@ class OutputPath(click.Path):
             return None
         absolute = os.path.abspath(os.fsdecode(converted))
         return Path(absolute) if isinstance(converted, Path) else absolute
+
+
+def card_device(device_spec: str, card: str | None) -> str:
+    """The device of a command given ``--gpu CARD``: ``sim:CARD`` unless ``--device`` was given.
+
+    Why: ``--gpu "RTX 4090"`` means that card, its memory as well as its speed; planning on
+    the default ``sim:8GiB`` while ranking by the 4090's speed answered for no real card.
+
+    Args:
+        device_spec: the command's ``--device`` (its default: ``auto``).
+        card: the command's ``--gpu`` (None: not given).
+    """
+    context = click.get_current_context(silent=True)
+    given = context is not None and context.get_parameter_source("device_spec") not in (
+        None,
+        click.core.ParameterSource.DEFAULT,
+    )
+    return f"sim:{card}" if card and not given else device_spec
 
 
 def workload_argument(function: F) -> F:
@@ -287,6 +319,7 @@ def print_json(data: Any) -> None:
     which no strict parser (``jq``, JavaScript's, Go's) reads; JSON's own word for a figure
     that is not there is ``null``.
     """
+    check_before_output()
     click.echo(json.dumps(finite_or_none(data), indent=2, sort_keys=False, allow_nan=False), file=results_stream())
 
 

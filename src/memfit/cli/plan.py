@@ -7,8 +7,10 @@ from typing import TYPE_CHECKING, cast
 import click
 
 from memfit._io import check_writable
+from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     OutputPath,
+    card_device,
     console,
     device_options,
     err_console,
@@ -57,8 +59,7 @@ if TYPE_CHECKING:
     "speed_gpu",
     default=None,
     metavar="NAME",
-    help="Rank by the predicted speed on this GPU of the table (default on sim: its card, else an A100 80GB SXM); "
-    "without a CUDA GPU and --device, also plan for its memory (--device sim:NAME).",
+    help="Plan for this GPU of the table: its memory (sim:NAME, unless --device is given) and its predicted speed.",
 )
 @trials_option
 @json_option
@@ -89,9 +90,9 @@ def command(
     if plot:
         check_writable(plot, "--plot")  # before the candidates run, not after them
     wl = load_workload(workload)
-    if device_spec == "auto" and speed_gpu is not None and memory is None and not _has_cuda():
-        device_spec = f"sim:{speed_gpu}"  # the card named is the one planned for
-    gpu = device(device_spec, memory=memory)
+    gpu = device(card_device(device_spec, speed_gpu), memory=memory)
+    say = None if as_json else (lambda text: err_console.print(f"  {text}"))
+    check_host_memory(gpu, wl)  # before any trial builds the model for real
 
     def progress(c: Candidate) -> None:
         s = c.settings
@@ -115,7 +116,7 @@ def command(
         progress=None if as_json else progress,
         speed_gpu=speed_gpu,
         trials=cast("TrialKind", trials),
-        say=None if as_json else (lambda text: err_console.print(f"  {text}")),
+        say=say,
     )
     if plot:
         write_plot(result, plot)
@@ -123,12 +124,6 @@ def command(
         print_json(result.to_dict())
         return
     print_plan(result)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def write_plot(result: Plan, path: str) -> None:

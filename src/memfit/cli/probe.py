@@ -19,6 +19,7 @@ from rich.table import Table
 
 from memfit import distributed
 from memfit._io import check_writable
+from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     OutputPath,
     console,
@@ -124,6 +125,8 @@ def command(
     with process_group():
         gpu = make_device(rank_device(device_spec), memory=memory)
         main = distributed.is_main_process()
+        say = (lambda text: err_console.print(f"memfit probe · {text}")) if main else None
+        check_host_memory(gpu, wl)  # before any trial builds the model for real
         with _progress_bar(enabled=main) as progress:
             result = probe(
                 wl,
@@ -135,7 +138,7 @@ def command(
                 guess=guess if guess is not None or no_estimate else "estimate",
                 progress=progress,
                 trials=cast("TrialKind", trials),
-                say=(lambda text: err_console.print(f"memfit probe · {text}")) if main else None,
+                say=say,
                 evaluation=("inference_mode" if inference_mode else "no_grad") if evaluation else False,
             )
     if not main:

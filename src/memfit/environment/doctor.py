@@ -645,6 +645,8 @@ def _check_alloc_pair(name: str, key: str, value: str) -> list[EnvironmentFindin
     elif key in ("max_split_size_mb", "max_non_split_rounding_mb", "large_segment_size_mb"):
         if not value.isdigit():
             problem = "must be a whole number of MiB"
+        elif len(value) > 18:  # past size_t in bytes (and past what int() converts at 4300 digits)
+            problem = f"must be a whole number of MiB torch can hold, not {len(value)} digits"
         elif key == "max_split_size_mb" and int(value) <= 20:
             problem = "must be more than 20 (MiB)"
     elif key in ("garbage_collection_threshold", "per_process_memory_fraction"):

@@ -15,12 +15,14 @@ gloo without), :func:`memfit.memory.devices.rank_device` picks ``cuda:LOCAL_RANK
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 
-from memfit.cli import exit_with
+from memfit.cli import exit_with, user_error
 from memfit.cli import main as cli_main
-from memfit.distributed import launched_by_torchrun, output_on_main_only, process_group
+from memfit.distributed import check_environment, launched_by_torchrun, output_on_main_only, process_group
+from memfit.errors import MemfitError
 from memfit.memory.devices import rank_device
 
 __all__ = [
@@ -50,9 +52,19 @@ def with_rank_device(argv: list[str], rank: int | None = None) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run a memfit command as one rank of a torchrun job (or alone, without torchrun)."""
-    args = with_rank_device(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None, final: bool = False) -> int:
+    """Run a memfit command as one rank of a torchrun job (or alone, without torchrun).
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        final: the process ends when this returns (see :func:`memfit.cli.main`).
+    """
+    try:
+        if any(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK")):
+            check_environment()  # RANK=abc: one line, before --device is read per rank
+        args = with_rank_device(sys.argv[1:] if argv is None else argv)
+    except MemfitError as error:
+        return user_error(str(error))
 
     @contextlib.contextmanager
     def as_one_rank() -> Iterator[None]:
@@ -61,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # inside the command line's handling: a rank that does not answer, an interrupt during
     # the process group's set-up or teardown end in one line too
-    return cli_main(args, within=as_one_rank)
+    return cli_main(args, within=as_one_rank, final=final)
 
 
 if __name__ == "__main__":
-    exit_with(main())
+    exit_with(main(final=True))

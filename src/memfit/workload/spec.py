@@ -149,7 +149,17 @@ class Workload:
             raise WorkloadError(
                 f"workload {self.name!r}: the model factory returned {type(model).__name__}, not an nn.Module"
             )
+        if _on_meta(model) and torch.empty(()).device.type != "meta":  # not memfit's own meta build
+            raise WorkloadError(
+                f"workload {self.name!r}: the model factory built its model on the meta device (no data to "
+                "train): build it on the CPU, or call to_empty() and load its weights, before returning it"
+            )
         return model
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """True when a parameter or buffer of ``model`` has no data (the meta device)."""
+    return any(tensor.is_meta for tensor in (*model.parameters(), *model.buffers()))
 
 
 def move_to(batch: Any, device: torch.device) -> Any:
