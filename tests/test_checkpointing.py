@@ -269,3 +269,67 @@ def test_recomputation_order() -> None:
     assert not recomputes_no_more("every:2", "every:3") and not recomputes_no_more("selective", "every:2")
     assert recomputes_no_more("first:1", "first:3") and not recomputes_no_more("blocks", "first:3")
     assert parse("modules:Down+Up").names == ("Down", "Up")
+
+
+@pytest.mark.parametrize("workload", [RESNET, UNET], ids=["resnet", "unet"])
+@pytest.mark.parametrize("policy", ["none", "blocks", "every:2", "first:2", "selective"])
+def test_estimate_equals_the_simulated_gpu_to_the_byte_under_each_policy(
+    workload: memfit.Workload, policy: str
+) -> None:
+    settings = Settings(checkpointing=policy)
+    measured = memfit.measure(workload, 8, "sim:1GiB", settings)
+    estimated = memfit.estimate(workload, 8, settings, device="sim:1GiB")
+    assert (estimated.peak_allocated, estimated.peak_reserved) == (measured.peak_allocated, measured.peak_reserved)
+
+
+def test_estimate_names_the_checkpointed_modules_and_the_memory_saved() -> None:
+    plain = memfit.estimate(RESNET, 8, Settings(), device="sim:1GiB")
+    est = memfit.estimate(RESNET, 8, Settings(checkpointing="every:2"), device="sim:1GiB")
+    assert est.checkpointed == "4 x BasicBlock"
+    assert est.checkpointed_modules == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
+    assert est.checkpointing_saves == plain.peak_allocated - est.peak_allocated > 0
+    assert plain.checkpointed == "" and plain.checkpointing_saves is None
+
+
+def test_the_recompute_is_in_the_predicted_step_time() -> None:
+    """The fake steps really recompute, so the operation counter counts it; selective
+    checkpointing recomputes no convolution, so it runs fewer kernels than whole blocks."""
+    times = {
+        policy: memfit.estimate(RESNET, 32, Settings(checkpointing=policy), device="sim:1GiB").predicted_time
+        for policy in ("none", "selective", "blocks")
+    }
+    assert times["none"]["kernels"] < times["selective"]["kernels"] < times["blocks"]["kernels"]
+    assert times["blocks"]["seconds_per_step"] > times["none"]["seconds_per_step"]
+
+
+def test_plan_shows_a_checkpointing_mode_that_saves_nothing_and_drops_it() -> None:
+    """Checkpointing single Linear layers keeps their inputs all the same: nothing saved."""
+    wl = memfit.load_workload("mlp:layers=2,width=32,features=32")
+    result = memfit.plan(wl, 8, "sim:64MiB", precisions=["fp32"], checkpointing=["none", "modules:Linear"])
+    dropped = [c for c in result.candidates if c.settings.checkpointing == "modules:Linear"]
+    assert dropped and all(c.status.startswith("saves nothing (4 x Linear recompute") for c in dropped)
+    assert all(c.measurement is None for c in dropped)
+    assert result.recommended.settings.checkpointing == "none"
+
+
+def test_plan_budget_recomputes_the_fewest_blocks_that_fit() -> None:
+    """On a device where the whole micro-batch does not fit without checkpointing, the
+    budget axis offers first:N steps and the plan takes the fewest blocks that fit."""
+    result = memfit.plan(RESNET, 64, "sim:12MiB", precisions=["fp32"], checkpointing=["none", "budget"])
+    modes = {c.settings.checkpointing for c in result.candidates}
+    assert modes == {"none", "first:2", "first:4", "first:6", "blocks"}
+    best = result.recommended.settings
+    assert (best.micro_batch_size, best.checkpointing) == (64, "first:2")
+    too_big = next(
+        c for c in result.candidates if c.settings.checkpointing == "none" and c.settings.micro_batch_size == 64
+    )
+    assert not too_big.fits
+
+
+def test_blocks_are_named_by_their_own_class_under_fsdp2() -> None:
+    """FSDP2 makes each unit an ``FSDPMLPBlock``: ``modules:MLPBlock`` still matches, and
+    the estimate names the class the code has."""
+    settings = Settings(checkpointing="modules:MLPBlock", world_size=2, shard="full")
+    est = memfit.estimate("mlp:layers=4,width=64,features=64", 64, settings, device="sim:1GiB")
+    assert est.method == "traced" and est.checkpointed == "4 x MLPBlock"
+    assert est.checkpointing_saves is not None and est.checkpointing_saves > 0

@@ -79,6 +79,7 @@ from memfit.memory.allocator import CachingAllocatorModel
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
+from memfit.run.checkpointing import describe_modules
 from memfit.run.settings import Settings
 from memfit.run.strategy import Shard, check_strategy, describe
 from memfit.units import format_size, parse_size
@@ -224,6 +225,13 @@ class Estimate(HtmlRepr):
     predicted_time: dict[str, Any] | None = None
     #: why there is no predicted step on the target's card, when there is a card
     speed_note: str = ""
+    #: what checkpointing recomputes, by class (``8 x BasicBlock``; "" without checkpointing)
+    checkpointed: str = ""
+    #: the dotted path of each checkpointed module, in the order forward runs them
+    checkpointed_modules: list[str] = field(default_factory=list)
+    #: peak allocated bytes checkpointing saves: the same step without it, minus this one
+    #: (None without checkpointing, or where the figures come from formulas)
+    checkpointing_saves: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -306,6 +314,12 @@ class _Prediction:
         return self._peak
 
     @property
+    def checkpointed(self) -> tuple[tuple[str, str], ...]:
+        """(path, class) of each module checkpointing recomputed in the run shown."""
+        self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
+        return tuple(self._run.checkpointed)
+
+    @property
     def rank(self) -> int:
         """The rank whose run this is (the heaviest traced; 0 on one GPU)."""
         self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
@@ -376,6 +390,9 @@ class _Shown:
     rank: int = 0
     note: str = ""
     step: StepTime | None = None
+    #: (path, class) of each checkpointed module, and the peak allocated bytes that saves
+    checkpointed: tuple[tuple[str, str], ...] = ()
+    checkpointing_saves: int | None = None
 
 
 def estimate(
@@ -531,6 +548,11 @@ def _traced(request: _Request, way: Way) -> Estimate:
         chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
         prediction = predict(chosen)
         peak, ops = prediction.peak, prediction.ops if count else None
+        saves = None
+        if settings.checkpointing != "none":
+            # the same step without checkpointing: what it saves, by the same allocator model
+            plain = _Prediction(run, settings.replace(micro_batch_size=chosen, checkpointing="none"), target, None)
+            saves = plain.peak.peak_allocated - peak.peak_allocated
     step = None
     if card is not None:
         # The fake steps of a simulated GPU run the CPU's optimizer loop (its own
@@ -551,6 +573,8 @@ def _traced(request: _Request, way: Way) -> Estimate:
             # under ZeRO-1 the heaviest rank can change with the batch size: the one of the batch shown
             rank=prediction.rank,
             step=step,
+            checkpointed=prediction.checkpointed,
+            checkpointing_saves=saves,
         )
     )
 
@@ -575,6 +599,7 @@ def _by_formulas(request: _Request, reason: str) -> Estimate:
     max_batch = _search(outcome, target, target.memory, options)
     chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
     peak = predict(chosen).peak
+    checkpointed = predict(chosen).checkpointed
     return _result(
         _Shown(
             workload=wl.name,
@@ -586,6 +611,7 @@ def _by_formulas(request: _Request, reason: str) -> Estimate:
             fits=outcome(chosen).fits if target.memory is not None else None,
             max_batch_size=max_batch,
             way=Way.FORMULAS,
+            checkpointed=checkpointed,
             note=(
                 f"tracing cannot run here ({reason}): per-rank figures from formulas "
                 "(memfit.estimator.sharding), which leave out FSDP's all-gather and reduce-scatter "
@@ -641,6 +667,9 @@ def _result(shown: _Shown) -> Estimate:
         speed_gpu=step.gpu if step else None,
         predicted_time=step.to_dict() if step else None,
         speed_note="" if step else _no_speed_reason(target, settings),
+        checkpointed=describe_modules(shown.checkpointed) if shown.checkpointed else "",
+        checkpointed_modules=[path for path, _ in shown.checkpointed],
+        checkpointing_saves=shown.checkpointing_saves,
     )
 
 

@@ -51,7 +51,7 @@ from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
 from memfit.memory.tracker import Labels, StorageTracker, _storages, current_labels
 from memfit.run.settings import Settings
-from memfit.run.steps import run_steps
+from memfit.run.steps import StepRun, run_steps
 from memfit.workload import Workload
 
 __all__ = ["run_fake_steps", "FakeRun", "FakeSteps", "Runner", "UnsupportedOperation", "Event"]
@@ -90,6 +90,8 @@ class FakeRun:
     snapshot: dict[str, Any] | None = None
     #: the rank of N the run is for (:mod:`memfit.estimator.distributed_trace`); 0 on one GPU
     rank: int = 0
+    #: (dotted path, class name) of each module checkpointing recomputed
+    checkpointed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 #: runs the fake steps at one settings (its micro-batch) within a budget, counting the last
@@ -289,11 +291,12 @@ def run_fake_steps(
     # (and its storage counted), as it would be copied to the GPU.
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fits = True
+    record = StepRun()
     try:
         observer = observing(counter.kernel) if counter is not None else contextlib.nullcontext()
         with mode, _swappable_parameters(mode), watching_positions() as positions, observer:
             fake = _fake_workload(workload, mode, foreach, positions)
-            run_steps(fake, settings, device, steps=steps, label_modules=True)
+            run_steps(fake, settings, device, steps=steps, label_modules=True, record=record)
     except Exception as error:
         if not is_oom(error):
             raise
@@ -309,6 +312,7 @@ def run_fake_steps(
         fits=fits,
         ops=counter.trace() if counter is not None and fits else None,
         snapshot=device.allocator.snapshot() if history else None,
+        checkpointed=record.checkpointed,
     )
 
 

@@ -200,8 +200,11 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
     if p.kind == "blocks" and _is_transformers(model):
         hf: Any = model
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the layers that recompute (the model itself carries the flag too)
         done.modules = [
-            (n, type(m).__name__) for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)
+            (n, type(m).__name__)
+            for n, m in model.named_modules()
+            if getattr(m, "gradient_checkpointing", False) is True and not _is_transformers(m)
         ]
         done.found = True
         done._undo.append(hf.gradient_checkpointing_disable)
@@ -219,7 +222,7 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
         chosen = _choose(tree, p)
         for _, block in chosen:
             done._undo.append(_wrap(block, p.kind == "selective"))
-        done.modules = [(path, type(block).__name__) for path, block in chosen]
+        done.modules = [(path, class_name(block)) for path, block in chosen]
         done.found = True
 
     handle = model.register_forward_pre_hook(first_forward, with_kwargs=True)
@@ -262,8 +265,25 @@ def _policy_text(p: Policy) -> str:
 
 
 def _class_names(module: nn.Module) -> set[str]:
+    """The names ``modules:NAME`` matches: the module's classes and their bases, as
+    isinstance would (FSDP2's ``FSDPBlock`` is a ``Block``), short and qualified."""
+    from torch import nn
+
+    names: set[str] = set()
+    for cls in type(module).__mro__:
+        if cls in (nn.Module, object) or cls.__module__.startswith("torch.distributed"):
+            continue
+        names |= {cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+    return names
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's class name as its code names it (FSDP2's ``FSDPBlock`` is ``Block``)."""
     cls = type(module)
-    return {cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+    for base in cls.__mro__[1:]:
+        if cls.__name__ == f"FSDP{base.__name__}":
+            return base.__name__
+    return cls.__name__
 
 
 def _wrap(block: nn.Module, selective: bool) -> Callable[[], None]:

@@ -84,7 +84,7 @@ from memfit.search.candidates import (
     PlanRequest,
     Speed,
     check_target,
-    checkpointing_modes,
+    checkpointing_axis,
     dominates,
     group_of,
     measured_speed,
@@ -275,6 +275,8 @@ def plan(
         reference_batch_size=reference_batch_size,
         headroom=headroom,
         speed_gpu=speed_gpu,
+        # the estimator says what checkpointing saves, unless the caller measures otherwise
+        check_savings=predictor is estimated_max_micro_batch and run_trial is trial,
     )
     return _plan(request, PlanHooks(predictor, run_trial, progress, predict_speed, say), trials)
 
@@ -291,6 +293,7 @@ def _resolve(
     reference_batch_size: int | None,
     headroom: float,
     speed_gpu: str | GPU | None,
+    check_savings: bool = True,
 ) -> PlanRequest:
     """Check the arguments (one line each, before any work) and resolve them into a request."""
     check_target(target_batch_size, world_size)
@@ -305,7 +308,7 @@ def _resolve(
     card = speed_card(gpu, speed_gpu)
     usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
     model = wl.build_model()
-    modes = list(checkpointing or checkpointing_modes(model))
+    modes = checkpointing_axis(wl, checkpointing, model, target_batch_size // world_size, check=check_savings)
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
     return PlanRequest(
@@ -314,7 +317,8 @@ def _resolve(
         target_batch_size=target_batch_size,
         world_size=world_size,
         precisions=tuple(usable),
-        checkpointing=tuple(modes),
+        checkpointing=modes.modes,
+        dropped=modes.dropped,
         axis=tuple(strategies(world_size, *strategy_axis)),
         headroom=headroom,
         reference_batch_size=reference_batch_size,
@@ -326,7 +330,7 @@ def _resolve(
 def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
     """Weigh every group of candidates, confirm fake trials on the device, recommend."""
     on_device, hooks = _trials_for(request, hooks, kind)
-    ledger = _Ledger({s: Candidate(s, "not run") for s in request.pool()}, card=request.card)
+    ledger = _Ledger({s: Candidate(s, request.initial_status(s)) for s in request.pool()}, card=request.card)
     for group in request.groups():
         _weigh_group(request, hooks, ledger, group)
     ledger.failures.raise_if_every_trial_failed()
