@@ -278,13 +278,13 @@ def test_estimate_equals_the_simulated_gpu_to_the_byte_under_each_policy(
 ) -> None:
     settings = Settings(checkpointing=policy)
     measured = memfit.measure(workload, 8, "sim:1GiB", settings)
-    estimated = memfit.estimate(workload, 8, settings, device="sim:1GiB")
+    estimated = memfit.estimate(workload, 8, settings, device="sim:1GiB", speed=False)
     assert (estimated.peak_allocated, estimated.peak_reserved) == (measured.peak_allocated, measured.peak_reserved)
 
 
 def test_estimate_names_the_checkpointed_modules_and_the_memory_saved() -> None:
-    plain = memfit.estimate(RESNET, 8, Settings(), device="sim:1GiB")
-    est = memfit.estimate(RESNET, 8, Settings(checkpointing="every:2"), device="sim:1GiB")
+    plain = memfit.estimate(RESNET, 8, Settings(), device="sim:1GiB", speed=False)
+    est = memfit.estimate(RESNET, 8, Settings(checkpointing="every:2"), device="sim:1GiB", speed=False)
     assert est.checkpointed == "4 x BasicBlock"
     assert est.checkpointed_modules == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
     assert est.checkpointing_saves == plain.peak_allocated - est.peak_allocated > 0
@@ -295,7 +295,7 @@ def test_the_recompute_is_in_the_predicted_step_time() -> None:
     """The fake steps really recompute, so the operation counter counts it; selective
     checkpointing recomputes no convolution, so it runs fewer kernels than whole blocks."""
     times = {
-        policy: memfit.estimate(RESNET, 32, Settings(checkpointing=policy), device="sim:1GiB").predicted_time
+        policy: memfit.estimate(RESNET, 8, Settings(checkpointing=policy), device="sim:1GiB").predicted_time
         for policy in ("none", "selective", "blocks")
     }
     assert times["none"]["kernels"] < times["selective"]["kernels"] < times["blocks"]["kernels"]
