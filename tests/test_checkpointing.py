@@ -333,3 +333,28 @@ def test_blocks_are_named_by_their_own_class_under_fsdp2() -> None:
     est = memfit.estimate("mlp:layers=4,width=64,features=64", 64, settings, device="sim:1GiB")
     assert est.method == "traced" and est.checkpointed == "4 x MLPBlock"
     assert est.checkpointing_saves is not None and est.checkpointing_saves > 0
+
+
+def test_a_model_whose_own_forward_never_runs_is_checkpointed_where_it_is_called() -> None:
+    """A wrapper (a LightningModule, say) whose step calls ``self.net`` and a loss module."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _resnet()
+            self.criterion = nn.CrossEntropyLoss()
+
+        def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.criterion(self.net(x), y)
+
+    torch.manual_seed(0)
+    wrapper = Wrapper()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    reference = copy.deepcopy(wrapper)
+    reference.step(x, y).backward()
+    applied = Settings(checkpointing="blocks").apply(wrapper)
+    wrapper.step(x, y).backward()
+    applied.undo()
+    assert applied.checkpointed.describe() == "8 x BasicBlock"
+    assert applied.checkpointed.modules[0] == ("net.layer1.0", "BasicBlock")
+    assert _same_state(reference, wrapper)

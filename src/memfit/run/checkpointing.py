@@ -210,24 +210,51 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
         done._undo.append(hf.gradient_checkpointing_disable)
         return done
 
+    paths = {id(m): name for name, m in model.named_modules()}
+    waiting: dict[int, Any] = {}
+
     def first_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         import torch
 
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or id(module) not in waiting:
             return  # a no-grad forward recomputes nothing: wait for a training one
-        handle.remove()
+        for m in module.modules():  # this call covers its whole subtree
+            handle = waiting.pop(id(m), None)
+            if handle is not None:
+                handle.remove()
         from memfit.run.forward_calls import record_calls
 
         tree = record_calls(module, args, kwargs)
-        chosen = _choose(tree, p)
+        try:
+            chosen = _choose(tree, p)
+        except MemfitError:
+            # Refused where the whole model ran; a part called on its own (a loss module
+            # after the model, under a LightningModule's training_step) may have none.
+            if module is model or not waiting:
+                raise
+            chosen = []
         for _, block in chosen:
             done._undo.append(_wrap(block, p.kind == "selective"))
-        done.modules = [(path, class_name(block)) for path, block in chosen]
+        prefix = paths.get(id(module), "")
+        done.modules += [(_join(prefix, path), class_name(block)) for path, block in chosen]
         done.found = True
 
-    handle = model.register_forward_pre_hook(first_forward, with_kwargs=True)
-    done._undo.append(handle.remove)
+    # Why a hook on every module: the model may never be called itself (a LightningModule
+    # whose training_step calls self.model); the outermost module called first is looked at.
+    for m in model.modules():
+        waiting[id(m)] = m.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+    def stop_waiting() -> None:
+        for handle in waiting.values():
+            handle.remove()
+        waiting.clear()
+
+    done._undo.append(stop_waiting)
     return done
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
 
 
 def _is_transformers(model: nn.Module) -> bool:
