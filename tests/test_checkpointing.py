@@ -8,6 +8,7 @@ blocks in ``ModuleList`` containers that forward iterates, never calls)."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -358,3 +359,48 @@ def test_a_model_whose_own_forward_never_runs_is_checkpointed_where_it_is_called
     assert applied.checkpointed.describe() == "8 x BasicBlock"
     assert applied.checkpointed.modules[0] == ("net.layer1.0", "BasicBlock")
     assert _same_state(reference, wrapper)
+
+
+def test_lightning_callback_applies_checkpointing_and_trains_exactly_as_without() -> None:
+    import lightning.pytorch as pl
+
+    from memfit.integrations.lightning import MemfitCallback
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _resnet()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            g = torch.Generator().manual_seed(0)
+            data = torch.utils.data.TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.arange(8) % 10)
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+    def train(callbacks: list[pl.Callback]) -> Classifier:
+        torch.manual_seed(0)
+        module = Classifier()
+        pl.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            devices=1,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(module)
+        return module
+
+    reference = train([])
+    callback = MemfitCallback(probe=False, guard=False, monitor=False, checkpointing="every:2")
+    trained = train([callback])
+    assert callback.applied is not None and callback.applied.checkpointed.describe() == "4 x BasicBlock"
+    assert "forward" not in trained.net.layer1[0].__dict__  # undone at fit end
+    for (name, a), b in zip(reference.state_dict().items(), trained.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
