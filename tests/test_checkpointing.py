@@ -404,3 +404,23 @@ def test_lightning_callback_applies_checkpointing_and_trains_exactly_as_without(
     assert "forward" not in trained.net.layer1[0].__dict__  # undone at fit end
     for (name, a), b in zip(reference.state_dict().items(), trained.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_megatron_activation_formulas_per_layer_are_reproduced() -> None:
+    """Korthikanti et al. (arXiv:2205.05198): a GPT layer keeps 34sbh + 5as^2b bytes for
+    backward, 34sbh with the attention core recomputed, 2sbh with the whole layer
+    recomputed; memfit adds LayerNorm's saved statistics (2 norms x 2 x sb fp16 values),
+    which the formula leaves out. The model and the count are bench/checkpointing_policies.py's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "checkpointing_policies.py"
+    spec = importlib.util.spec_from_file_location("checkpointing_policies", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.S, bench.B, bench.H, bench.A = s, b, h, a = 64, 2, 64, 4
+    norms = 2 * 2 * s * b * 2
+    assert bench.per_layer("none") == 34 * s * b * h + 5 * a * s * s * b + norms
+    assert bench.per_layer("modules:CoreAttention") == 34 * s * b * h + norms
+    assert bench.per_layer("blocks") == 2 * s * b * h
