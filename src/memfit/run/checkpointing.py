@@ -228,9 +228,10 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
         try:
             chosen = _choose(tree, p)
         except MemfitError:
-            # Refused where the whole model ran; a part called on its own (a loss module
-            # after the model, under a LightningModule's training_step) may have none.
-            if module is model or not waiting:
+            # Refused where the whole model ran, or when no part called on its own had
+            # any; one part may have none (a loss module after the network, under a
+            # LightningModule's training_step).
+            if module is model or (not waiting and not done.modules):
                 raise
             chosen = []
         for _, block in chosen:
