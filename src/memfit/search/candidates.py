@@ -281,7 +281,8 @@ def checkpointing_axis(
     """The modes to weigh: those asked for (default: :func:`checkpointing_modes`), with
     ``budget`` made ``first:N`` steps up to ``blocks`` (recompute as few blocks as fit), and
     every mode whose fake step at ``micro_batch`` holds no less memory than without
-    checkpointing dropped ("saves nothing": the peak is elsewhere, or no block runs).
+    checkpointing dropped (status "saves nothing (6 x Linear)": the peak is elsewhere, or
+    no block runs).
 
     Why fake steps: shapes only, so the check costs no device memory and a second at
     most; where the model cannot run on fake tensors the modes are weighed as asked.
@@ -312,14 +313,14 @@ def checkpointing_axis(
         for mode in [m for m in modes if m != "none" and check]:
             try:
                 held, done = peak(mode)
-            except MemfitError as error:  # no block runs: asked for, a user error; by default, dropped
+            except MemfitError:  # no block runs: asked for, a user error; by default, dropped
                 if asked:
                     raise
-                dropped.append((mode, f"not weighed: {error}"))
+                dropped.append((mode, "saves nothing (no blocks run)"))
                 continue
             if held >= plain:
                 what = describe_modules(done) or "nothing"
-                dropped.append((mode, f"saves nothing ({what} recompute; the peak is elsewhere)"))
+                dropped.append((mode, f"saves nothing ({what})"))
     except UnsupportedOperation:  # without a block count, the budget's one sure step: every block
         weighed = dict.fromkeys("blocks" if m == BUDGET else m for m in modes)
         return CheckpointingAxis(tuple(sorted(weighed, key=recompute_order)))
