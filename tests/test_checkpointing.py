@@ -8,6 +8,7 @@ blocks in ``ModuleList`` containers that forward iterates, never calls)."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -269,3 +270,157 @@ def test_recomputation_order() -> None:
     assert not recomputes_no_more("every:2", "every:3") and not recomputes_no_more("selective", "every:2")
     assert recomputes_no_more("first:1", "first:3") and not recomputes_no_more("blocks", "first:3")
     assert parse("modules:Down+Up").names == ("Down", "Up")
+
+
+@pytest.mark.parametrize("workload", [RESNET, UNET], ids=["resnet", "unet"])
+@pytest.mark.parametrize("policy", ["none", "blocks", "every:2", "first:2", "selective"])
+def test_estimate_equals_the_simulated_gpu_to_the_byte_under_each_policy(
+    workload: memfit.Workload, policy: str
+) -> None:
+    settings = Settings(checkpointing=policy)
+    measured = memfit.measure(workload, 8, "sim:1GiB", settings)
+    estimated = memfit.estimate(workload, 8, settings, device="sim:1GiB", speed=False)
+    assert (estimated.peak_allocated, estimated.peak_reserved) == (measured.peak_allocated, measured.peak_reserved)
+
+
+def test_estimate_names_the_checkpointed_modules_and_the_memory_saved() -> None:
+    plain = memfit.estimate(RESNET, 8, Settings(), device="sim:1GiB", speed=False)
+    est = memfit.estimate(RESNET, 8, Settings(checkpointing="every:2"), device="sim:1GiB", speed=False)
+    assert est.checkpointed == "4 x BasicBlock"
+    assert est.checkpointed_modules == ["layer1.0", "layer2.0", "layer3.0", "layer4.0"]
+    assert est.checkpointing_saves == plain.peak_allocated - est.peak_allocated > 0
+    assert plain.checkpointed == "" and plain.checkpointing_saves is None
+
+
+def test_the_recompute_is_in_the_predicted_step_time() -> None:
+    """The fake steps really recompute, so the operation counter counts it; selective
+    checkpointing recomputes no convolution, so it runs fewer kernels than whole blocks."""
+    times = {
+        policy: memfit.estimate(RESNET, 8, Settings(checkpointing=policy), device="sim:1GiB").predicted_time
+        for policy in ("none", "selective", "blocks")
+    }
+    assert times["none"]["kernels"] < times["selective"]["kernels"] < times["blocks"]["kernels"]
+    assert times["blocks"]["seconds_per_step"] > times["none"]["seconds_per_step"]
+
+
+def test_plan_shows_a_checkpointing_mode_that_saves_nothing_and_drops_it() -> None:
+    """Checkpointing single Linear layers keeps their inputs all the same: nothing saved."""
+    wl = memfit.load_workload("mlp:layers=2,width=32,features=32")
+    result = memfit.plan(wl, 8, "sim:64MiB", precisions=["fp32"], checkpointing=["none", "modules:Linear"])
+    dropped = [c for c in result.candidates if c.settings.checkpointing == "modules:Linear"]
+    assert dropped and all(c.status == "saves nothing (4 x Linear)" for c in dropped)
+    assert all(c.measurement is None for c in dropped)
+    assert result.recommended.settings.checkpointing == "none"
+
+
+def test_plan_budget_recomputes_the_fewest_blocks_that_fit() -> None:
+    """On a device where the whole micro-batch does not fit without checkpointing, the
+    budget axis offers first:N steps and the plan takes the fewest blocks that fit."""
+    result = memfit.plan(RESNET, 64, "sim:12MiB", precisions=["fp32"], checkpointing=["none", "budget"])
+    modes = {c.settings.checkpointing for c in result.candidates}
+    assert modes == {"none", "first:2", "first:4", "first:6", "blocks"}
+    best = result.recommended.settings
+    assert (best.micro_batch_size, best.checkpointing) == (64, "first:2")
+    too_big = next(
+        c for c in result.candidates if c.settings.checkpointing == "none" and c.settings.micro_batch_size == 64
+    )
+    assert not too_big.fits
+
+
+def test_blocks_are_named_by_their_own_class_under_fsdp2() -> None:
+    """FSDP2 makes each unit an ``FSDPMLPBlock``: ``modules:MLPBlock`` still matches, and
+    the estimate names the class the code has."""
+    settings = Settings(checkpointing="modules:MLPBlock", world_size=2, shard="full")
+    est = memfit.estimate("mlp:layers=4,width=64,features=64", 64, settings, device="sim:1GiB")
+    assert est.method == "traced" and est.checkpointed == "4 x MLPBlock"
+    assert est.checkpointing_saves is not None and est.checkpointing_saves > 0
+
+
+def test_a_model_whose_own_forward_never_runs_is_checkpointed_where_it_is_called() -> None:
+    """A wrapper (a LightningModule, say) whose step calls ``self.net`` and a loss module."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _resnet()
+            self.criterion = nn.CrossEntropyLoss()
+
+        def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.criterion(self.net(x), y)
+
+    torch.manual_seed(0)
+    wrapper = Wrapper()
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    reference = copy.deepcopy(wrapper)
+    reference.step(x, y).backward()
+    applied = Settings(checkpointing="blocks").apply(wrapper)
+    wrapper.step(x, y).backward()
+    applied.undo()
+    assert applied.checkpointed.describe() == "8 x BasicBlock"
+    assert applied.checkpointed.modules[0] == ("net.layer1.0", "BasicBlock")
+    assert _same_state(reference, wrapper)
+
+
+def test_lightning_callback_applies_checkpointing_and_trains_exactly_as_without() -> None:
+    import lightning.pytorch as pl
+
+    from memfit.integrations.lightning import MemfitCallback
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _resnet()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> Any:
+            g = torch.Generator().manual_seed(0)
+            data = torch.utils.data.TensorDataset(torch.randn(8, 3, 16, 16, generator=g), torch.arange(8) % 10)
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+    def train(callbacks: list[pl.Callback]) -> Classifier:
+        torch.manual_seed(0)
+        module = Classifier()
+        pl.Trainer(
+            max_steps=2,
+            accelerator="cpu",
+            devices=1,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(module)
+        return module
+
+    reference = train([])
+    callback = MemfitCallback(probe=False, guard=False, monitor=False, checkpointing="every:2")
+    trained = train([callback])
+    assert callback.applied is not None and callback.applied.checkpointed.describe() == "4 x BasicBlock"
+    assert "forward" not in trained.net.layer1[0].__dict__  # undone at fit end
+    for (name, a), b in zip(reference.state_dict().items(), trained.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_megatron_activation_formulas_per_layer_are_reproduced() -> None:
+    """Korthikanti et al. (arXiv:2205.05198): a GPT layer keeps 34sbh + 5as^2b bytes for
+    backward, 34sbh with the attention core recomputed, 2sbh with the whole layer
+    recomputed; memfit adds LayerNorm's saved statistics (2 norms x 2 x sb fp16 values),
+    which the formula leaves out. The model and the count are bench/checkpointing_policies.py's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "checkpointing_policies.py"
+    spec = importlib.util.spec_from_file_location("checkpointing_policies", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.S, bench.B, bench.H, bench.A = s, b, h, a = 64, 2, 64, 4
+    norms = 2 * 2 * s * b * 2
+    assert bench.per_layer("none") == 34 * s * b * h + 5 * a * s * s * b + norms
+    assert bench.per_layer("modules:CoreAttention") == 34 * s * b * h + norms
+    assert bench.per_layer("blocks") == 2 * s * b * h

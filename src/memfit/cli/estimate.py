@@ -158,6 +158,8 @@ def command(
         console.print(allocator)
     if result.host_memory is not None:
         console.print(offload_line(result))
+    if result.checkpointed:
+        console.print(checkpointing_line(result))
     speed = speed_line(result)
     if speed:
         console.print(speed)
@@ -172,6 +174,18 @@ def command(
             f"snapshot: {snapshot_path} (open it at https://pytorch.org/memory_viz, "
             "or: python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html)"
         )
+
+
+def checkpointing_line(result: Estimate) -> str:
+    """What checkpointing recomputes and the peak allocated memory it saves."""
+    saves = result.checkpointing_saves
+    if saves is None:
+        saved = ""
+    elif saves > 0:
+        saved = f", saving {format_size(saves)} of peak allocated memory"
+    else:
+        saved = ": it saves nothing here (the peak is elsewhere)"
+    return f"Checkpointing {result.settings['checkpointing']}: {result.checkpointed} recompute in backward{saved}."
 
 
 def locked_cuda_version(path: Path = Path("memfit.lock")) -> str | None:

@@ -81,6 +81,7 @@ from memfit.memory.allocator import CachingAllocatorModel, replay_reserved
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU, lookup
+from memfit.run.checkpointing import describe_modules
 from memfit.run.settings import Settings
 from memfit.run.strategy import OFFLOAD_SHARDS, Shard, check_strategy, describe
 from memfit.units import format_size, parse_size
@@ -234,6 +235,13 @@ class Estimate(HtmlRepr):
     reserved_by_setting: dict[str, int | None] = field(default_factory=dict)
     #: under CPU offload: the most host memory the step holds (None: no offload)
     host_memory: int | None = None
+    #: what checkpointing recomputes, by class (``8 x BasicBlock``; "" without checkpointing)
+    checkpointed: str = ""
+    #: the dotted path of each checkpointed module, in the order forward runs them
+    checkpointed_modules: list[str] = field(default_factory=list)
+    #: peak allocated bytes checkpointing saves: the same step without it, minus this one
+    #: (None without checkpointing, or where the figures come from formulas)
+    checkpointing_saves: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -330,6 +338,12 @@ class _Prediction:
         return self._run if isinstance(self._run, OffloadRun) else None
 
     @property
+    def checkpointed(self) -> tuple[tuple[str, str], ...]:
+        """(path, class) of each module checkpointing recomputed in the run shown."""
+        self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
+        return tuple(self._run.checkpointed)
+
+    @property
     def rank(self) -> int:
         """The rank whose run this is (the heaviest traced; 0 on one GPU)."""
         self.peak  # noqa: B018  (the run shown: a run that did not fit is re-run without a limit)
@@ -418,6 +432,9 @@ class _Shown:
     host_memory: int | None = None
     #: under offload: seconds of the host copies and of the CPU's optimizer step
     host_time: dict[str, float] | None = None
+    #: (path, class) of each checkpointed module, and the peak allocated bytes that saves
+    checkpointed: tuple[tuple[str, str], ...] = ()
+    checkpointing_saves: int | None = None
 
 
 def estimate(
@@ -587,6 +604,11 @@ def _traced(request: _Request, way: Way) -> Estimate:
         chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
         prediction = predict(chosen)
         peak, ops = prediction.peak, prediction.ops if count else None
+        saves = None
+        if settings.checkpointing != "none":
+            # the same step without checkpointing: what it saves, by the same allocator model
+            plain = _Prediction(run, settings.replace(micro_batch_size=chosen, checkpointing="none"), target, None)
+            saves = plain.peak.peak_allocated - peak.peak_allocated
     step, host, host_time = None, prediction.offload, None
     if card is not None and host is not None:
         step, copies, cpu = offload_step_time(wl, settings.replace(micro_batch_size=chosen), card, host.host_parameters)
@@ -618,6 +640,8 @@ def _traced(request: _Request, way: Way) -> Estimate:
             by_setting=prediction.by_setting,
             host_memory=host.host_peak if host is not None else None,
             host_time=host_time,
+            checkpointed=prediction.checkpointed,
+            checkpointing_saves=saves,
         )
     )
 
@@ -643,6 +667,7 @@ def _by_formulas(request: _Request, reason: str) -> Estimate:
     chosen = options.batch_size if options.batch_size is not None else max(max_batch or 0, 1)
     prediction = predict(chosen)
     peak = prediction.peak
+    checkpointed = prediction.checkpointed
     return _result(
         _Shown(
             workload=wl.name,
@@ -654,6 +679,7 @@ def _by_formulas(request: _Request, reason: str) -> Estimate:
             fits=outcome(chosen).fits if target.memory is not None else None,
             max_batch_size=max_batch,
             way=Way.FORMULAS,
+            checkpointed=checkpointed,
             note=(
                 f"tracing cannot run here ({reason}): per-rank figures from formulas "
                 "(memfit.estimator.sharding), which leave out FSDP's all-gather and reduce-scatter "
@@ -714,6 +740,9 @@ def _result(shown: _Shown) -> Estimate:
         allocator=allocator_conf.current().describe(),
         reserved_by_setting=dict(shown.by_setting),
         host_memory=shown.host_memory,
+        checkpointed=describe_modules(shown.checkpointed) if shown.checkpointed else "",
+        checkpointed_modules=[path for path, _ in shown.checkpointed],
+        checkpointing_saves=shown.checkpointing_saves,
     )
 
 

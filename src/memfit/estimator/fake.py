@@ -55,7 +55,7 @@ from memfit.memory.devices import SimDevice
 from memfit.memory.oom import is_oom
 from memfit.memory.tracker import Labels, StorageTracker, current_labels
 from memfit.run.settings import Settings
-from memfit.run.steps import run_steps
+from memfit.run.steps import StepRun, run_steps
 from memfit.workload import Workload
 
 __all__ = ["run_fake_steps", "FakeRun", "FakeSteps", "Runner", "UnsupportedOperation", "Event"]
@@ -96,6 +96,8 @@ class FakeRun:
     rank: int = 0
     #: what of the workload is torch.compile'd and ran eager (:mod:`memfit.estimator.compiled`); "" if nothing
     compile_note: str = ""
+    #: (dotted path, class name) of each module checkpointing recomputed
+    checkpointed: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 #: runs the fake steps at one settings (its micro-batch) within a budget, counting the last
@@ -350,11 +352,12 @@ def run_fake_steps(
     fits = True
     refusal = None
     compiled = CompileWatch()
+    record = StepRun()
     try:
         observer = observing(counter.kernel) if counter is not None else contextlib.nullcontext()
         with mode, _swappable_parameters(mode), watching_positions() as positions, observer, compiled.watching():
             fake = _fake_workload(workload, mode, foreach, positions, compiled)
-            run_steps(fake, settings, device, steps=steps, label_modules=True)
+            run_steps(fake, settings, device, steps=steps, label_modules=True, record=record)
     except Exception as error:
         refusal = tensor_subclass_message(error)
         if refusal is None and not is_oom(error):
@@ -374,6 +377,7 @@ def run_fake_steps(
         ops=counter.trace() if counter is not None and fits else None,
         snapshot=device.allocator.snapshot() if history else None,
         compile_note=compiled.note(),
+        checkpointed=record.checkpointed,
     )
 
 

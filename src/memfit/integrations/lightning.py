@@ -57,6 +57,7 @@ from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.monitor.monitor import Monitor
 from memfit.run.measure import Measurement
+from memfit.run.settings import Applied, Settings
 from memfit.search.headroom import DEFAULT_HEADROOM
 from memfit.search.probe import TRIAL_STEPS, ProbeResult
 from memfit.search.probe import probe as run_probe
@@ -239,6 +240,9 @@ class MemfitCallback(pl.Callback):
         weight: as in :class:`memfit.Guard`.
         exact: as in :class:`memfit.Guard`: refuse a split that would change the gradient.
         monitor_path: JSON lines for ``memfit report`` (``{rank}`` is the rank).
+        checkpointing: a checkpointing policy (``blocks``, ``every:2``, ``selective``,
+            ``modules:NAME``...; see :mod:`memfit.run.checkpointing`), applied to the
+            module through :meth:`memfit.Settings.apply` at fit start and undone at its end.
     """
 
     def __init__(
@@ -259,7 +263,9 @@ class MemfitCallback(pl.Callback):
         weight: Callable[[Any], Any] | None = None,
         exact: bool = True,
         monitor_path: str | None = None,
+        checkpointing: str = "none",
     ) -> None:
+        Settings(checkpointing=checkpointing)  # a bad policy is refused here, in one line
         if target_batch_size is not None and not probe:
             raise MemfitError("target_batch_size needs probe=True: the per-device batch comes from the probe")
         self.probe = probe
@@ -277,6 +283,9 @@ class MemfitCallback(pl.Callback):
         self.weight = weight
         self.exact = exact
         self.monitor_path = monitor_path
+        self.checkpointing = checkpointing
+        #: what checkpointing applied (its ``modules`` once the first training forward ran)
+        self.applied: Applied | None = None
         #: what the probe found (None before fit start or with probe=False)
         self.result: ProbeResult | None = None
         #: the per-device batch and accumulation the callback set
@@ -304,6 +313,9 @@ class MemfitCallback(pl.Callback):
             self._device.__enter__()
             self._entered = True
             self._device.adopt(list(pl_module.parameters()) + list(pl_module.buffers()))
+        if self.checkpointing != "none":
+            # before the probe, so the probe measures the step that will train
+            self.applied = Settings(checkpointing=self.checkpointing).apply(pl_module)
         original = type(pl_module).training_step.__get__(pl_module)
         if self.probe:
             self._probe_and_set_batch(trainer, pl_module, original)
@@ -504,6 +516,8 @@ class MemfitCallback(pl.Callback):
         """Undo everything fit start did; safe to call more than once."""
         try:
             self._pending = None
+            if self.applied is not None:
+                self.applied.undo()
             if "training_step" in vars(pl_module):
                 del pl_module.training_step
             ddp = _ddp_model(trainer)

@@ -200,31 +200,62 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
     if p.kind == "blocks" and _is_transformers(model):
         hf: Any = model
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the layers that recompute (the model itself carries the flag too)
         done.modules = [
-            (n, type(m).__name__) for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)
+            (n, type(m).__name__)
+            for n, m in model.named_modules()
+            if getattr(m, "gradient_checkpointing", False) is True and not _is_transformers(m)
         ]
         done.found = True
         done._undo.append(hf.gradient_checkpointing_disable)
         return done
 
+    paths = {id(m): name for name, m in model.named_modules()}
+    waiting: dict[int, Any] = {}
+
     def first_forward(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         import torch
 
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or id(module) not in waiting:
             return  # a no-grad forward recomputes nothing: wait for a training one
-        handle.remove()
+        for m in module.modules():  # this call covers its whole subtree
+            handle = waiting.pop(id(m), None)
+            if handle is not None:
+                handle.remove()
         from memfit.run.forward_calls import record_calls
 
         tree = record_calls(module, args, kwargs)
-        chosen = _choose(tree, p)
+        try:
+            chosen = _choose(tree, p)
+        except MemfitError:
+            # Refused where the whole model ran, or when no part called on its own had
+            # any; one part may have none (a loss module after the network, under a
+            # LightningModule's training_step).
+            if module is model or (not waiting and not done.modules):
+                raise
+            chosen = []
         for _, block in chosen:
             done._undo.append(_wrap(block, p.kind == "selective"))
-        done.modules = [(path, type(block).__name__) for path, block in chosen]
+        prefix = paths.get(id(module), "")
+        done.modules += [(_join(prefix, path), class_name(block)) for path, block in chosen]
         done.found = True
 
-    handle = model.register_forward_pre_hook(first_forward, with_kwargs=True)
-    done._undo.append(handle.remove)
+    # Why a hook on every module: the model may never be called itself (a LightningModule
+    # whose training_step calls self.model); the outermost module called first is looked at.
+    for m in model.modules():
+        waiting[id(m)] = m.register_forward_pre_hook(first_forward, with_kwargs=True)
+
+    def stop_waiting() -> None:
+        for handle in waiting.values():
+            handle.remove()
+        waiting.clear()
+
+    done._undo.append(stop_waiting)
     return done
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
 
 
 def _is_transformers(model: nn.Module) -> bool:
@@ -262,8 +293,25 @@ def _policy_text(p: Policy) -> str:
 
 
 def _class_names(module: nn.Module) -> set[str]:
+    """The names ``modules:NAME`` matches: the module's classes and their bases, as
+    isinstance would (FSDP2's ``FSDPBlock`` is a ``Block``), short and qualified."""
+    from torch import nn
+
+    names: set[str] = set()
+    for cls in type(module).__mro__:
+        if cls in (nn.Module, object) or cls.__module__.startswith("torch.distributed"):
+            continue
+        names |= {cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+    return names
+
+
+def class_name(module: nn.Module) -> str:
+    """The module's class name as its code names it (FSDP2's ``FSDPBlock`` is ``Block``)."""
     cls = type(module)
-    return {cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"}
+    for base in cls.__mro__[1:]:
+        if cls.__name__ == f"FSDP{base.__name__}":
+            return base.__name__
+    return cls.__name__
 
 
 def _wrap(block: nn.Module, selective: bool) -> Callable[[], None]:

@@ -108,7 +108,8 @@ class CallTree:
     def describe_blocks(self) -> str:
         counts: dict[str, int] = {}
         for _, m in self.blocks():
-            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+            name = type(m).__name__.removeprefix("FSDP")
+            counts[name] = counts.get(name, 0) + 1
         return ", ".join(f"{n} x {name}" for name, n in counts.items())
 
     def _all(self) -> list[nn.Module]:

@@ -54,11 +54,13 @@ def run_steps(
     steps: int = 2,
     *,
     label_modules: bool = False,
+    record: StepRun | None = None,
 ) -> StepRun:
     """Run ``steps`` optimizer steps; raise whatever the step raises (an OOM included).
 
     The model comes from ``workload.build_model()``: a factory gives a fresh model that
     is dropped at the end, so the device returns to its memory before the call.
+    ``record``: the :class:`StepRun` to fill (what ran is kept there when a step raises).
     """
     if settings.micro_batch_size is None:
         raise MemfitError("run_steps needs settings.micro_batch_size")
@@ -66,7 +68,7 @@ def run_steps(
         raise MemfitError(f"invalid number of steps {steps}: must be at least 1")
     if not device.supports(settings.precision):
         raise MemfitError(f"{device.describe()} does not support {settings.precision}")
-    result = StepRun()
+    result = StepRun() if record is None else record
     sharded = (settings.world_size > 1 and settings.shard in FSDP_SHARDS) or settings.shard in OFFLOAD_SHARDS
     check_offload_device(settings.shard, device)
     if sharded and not workload.builds_fresh_models:

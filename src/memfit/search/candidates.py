@@ -22,7 +22,7 @@ from torch import nn
 from memfit.errors import MemfitError
 from memfit.memory.devices import Device
 from memfit.memory.gpus import GPU
-from memfit.run.checkpointing import recomputes_no_more
+from memfit.run.checkpointing import BUDGET, describe_modules, recompute_order, recomputes_no_more
 from memfit.run.measure import Measurement
 from memfit.run.settings import CHECKPOINTING, PRECISIONS, Checkpointing, Precision, Settings, find_blocks
 from memfit.run.strategy import OFFLOAD_SHARDS, SHARDS, Shard, check_strategy, describe
@@ -41,6 +41,8 @@ __all__ = [
     "strategies",
     "strategy_cost",
     "Strategy",
+    "CheckpointingAxis",
+    "checkpointing_axis",
 ]
 
 #: how much faster one setting must be to be called faster, not noise
@@ -204,6 +206,8 @@ class PlanRequest:
     card: GPU | None = None
     #: weigh the candidates under CPU offload when none fits (the strategies were not chosen)
     offload_fallback: bool = True
+    #: checkpointing modes shown but not weighed, and why (:func:`checkpointing_axis`)
+    dropped: tuple[tuple[Checkpointing, str], ...] = ()
 
     @property
     def per_rank(self) -> int:
@@ -217,14 +221,19 @@ class PlanRequest:
         return math.floor((1 - self.headroom) * capacity) if capacity else None
 
     def pool(self) -> list[Settings]:
-        """Every candidate of the request (:func:`candidates`)."""
+        """Every candidate of the request (:func:`candidates`), those of the dropped
+        checkpointing modes included (shown, never weighed)."""
         return candidates(
             self.target_batch_size,
             world_size=self.world_size,
             precisions=self.precisions,
-            checkpointing=self.checkpointing,
+            checkpointing=self.checkpointing + tuple(mode for mode, _ in self.dropped),
             strategies=self.axis,
         )
+
+    def initial_status(self, s: Settings) -> str:
+        """``not run``, or why a dropped checkpointing mode is not weighed."""
+        return dict(self.dropped).get(s.checkpointing, "not run")
 
     def groups(self) -> list[Group]:
         """The groups in the order a plan weighs them: least sharding first, then least
@@ -237,9 +246,101 @@ def group_of(s: Settings) -> Group:
 
 
 def checkpointing_modes(model: nn.Module) -> list[Checkpointing]:
-    """Offer checkpointing only where the model has blocks to checkpoint."""
+    """Offer checkpointing only where the model may have blocks to checkpoint: a
+    transformers model, or modules of one class that hold modules (a static look; the
+    run decides, :func:`checkpointing_axis`)."""
     supported = getattr(model, "supports_gradient_checkpointing", False) or bool(find_blocks(model))
+    if not supported:
+        kinds: dict[type, int] = {}
+        for m in model.modules():
+            if m is not model and any(True for _ in m.children()) and not isinstance(m, _CONTAINERS):
+                kinds[type(m)] = kinds.get(type(m), 0) + 1
+        supported = any(n >= 2 for n in kinds.values())
     return list(CHECKPOINTING) if supported else ["none"]
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+#: the most ``first:N`` members a ``budget`` axis adds (besides ``blocks``)
+BUDGET_STEPS = 3
+
+
+@dataclass(frozen=True)
+class CheckpointingAxis:
+    """The checkpointing modes a plan weighs, least recomputation first, and those it
+    shows but drops (a mode that saves nothing), with why."""
+
+    modes: tuple[Checkpointing, ...]
+    dropped: tuple[tuple[Checkpointing, str], ...] = ()
+
+
+def checkpointing_axis(
+    workload: Workload,
+    asked: Sequence[Checkpointing] | None,
+    model: nn.Module,
+    micro_batch: int,
+    *,
+    check: bool = True,
+) -> CheckpointingAxis:
+    """The modes to weigh: those asked for (default: :func:`checkpointing_modes`), with
+    ``budget`` made ``first:N`` steps up to ``blocks`` (recompute as few blocks as fit), and
+    every mode whose fake step at ``micro_batch`` holds no less memory than without
+    checkpointing dropped (status "saves nothing (6 x Linear)": the peak is elsewhere, or
+    no block runs).
+
+    Why fake steps: shapes only, so the check costs no device memory and a second at
+    most; where the model cannot run on fake tensors the modes are weighed as asked.
+
+    Args:
+        workload: the plan's workload.
+        asked: the modes the user gave (None: the model's default modes).
+        model: one model of the workload (for the default modes).
+        micro_batch: the micro-batch the check runs at (the largest the plan considers).
+        check: drop the modes that save nothing (False: only ``budget`` is resolved, for
+            a plan whose caller measures memory its own way).
+    """
+    from memfit.estimator.fake import UnsupportedOperation, run_fake_steps
+
+    modes = list(asked or checkpointing_modes(model))
+    if modes == ["none"]:
+        return CheckpointingAxis(("none",))
+
+    def peak(mode: str) -> tuple[int, list[tuple[str, str]]]:
+        run = run_fake_steps(workload, Settings(micro_batch_size=micro_batch, checkpointing=mode), steps=1)
+        return run.peak_allocated, run.checkpointed
+
+    try:
+        plain = peak("none")[0] if check else 0
+        if BUDGET in modes:
+            modes = _budget_steps(modes, len(peak("blocks")[1]))
+        dropped: list[tuple[str, str]] = []
+        for mode in [m for m in modes if m != "none" and check]:
+            try:
+                held, done = peak(mode)
+            except MemfitError:  # no block runs: asked for, a user error; by default, dropped
+                if asked:
+                    raise
+                dropped.append((mode, "saves nothing (no blocks run)"))
+                continue
+            if held >= plain:
+                what = describe_modules(done) or "nothing"
+                dropped.append((mode, f"saves nothing ({what})"))
+    except UnsupportedOperation:  # without a block count, the budget's one sure step: every block
+        weighed = dict.fromkeys("blocks" if m == BUDGET else m for m in modes)
+        return CheckpointingAxis(tuple(sorted(weighed, key=recompute_order)))
+    gone = {mode for mode, _ in dropped}
+    kept = sorted((m for m in dict.fromkeys(modes) if m not in gone), key=recompute_order)
+    return CheckpointingAxis(tuple(kept), tuple(dropped))
+
+
+def _budget_steps(modes: list[str], blocks: int) -> list[str]:
+    """``budget`` as ``first:N`` for up to :data:`BUDGET_STEPS` block counts, then ``blocks``."""
+    counts = sorted({max(1, round(blocks * i / (BUDGET_STEPS + 1))) for i in range(1, BUDGET_STEPS + 1)} - {blocks})
+    steps = [f"first:{n}" for n in counts if n < blocks] + ["blocks"]
+    out: list[str] = []
+    for m in modes:
+        out.extend(steps if m == BUDGET else [m])
+    return list(dict.fromkeys(out))
 
 
 def dominates(a: Settings, b: Settings) -> bool:

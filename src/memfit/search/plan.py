@@ -86,7 +86,7 @@ from memfit.search.candidates import (
     PlanRequest,
     Speed,
     check_target,
-    checkpointing_modes,
+    checkpointing_axis,
     dominates,
     group_of,
     measured_speed,
@@ -310,6 +310,8 @@ def plan(
             reference_batch_size=reference_batch_size,
             headroom=headroom,
             speed_gpu=speed_gpu,
+            # the estimator says what checkpointing saves, unless the caller measures otherwise
+            check_savings=predictor is estimated_max_micro_batch and run_trial is trial,
         )
         request = replace(request, offload_fallback=request.offload_fallback and offload)
         return _plan(request, PlanHooks(predictor, run_trial, progress, predict_speed, say), trials)
@@ -327,6 +329,7 @@ def _resolve(
     reference_batch_size: int | None,
     headroom: float,
     speed_gpu: str | GPU | None,
+    check_savings: bool = True,
 ) -> PlanRequest:
     """Check the arguments (one line each, before any work) and resolve them into a request."""
     check_target(target_batch_size, world_size)
@@ -342,7 +345,7 @@ def _resolve(
     card = speed_card(gpu, speed_gpu) if wl.builds_fresh_models else None
     usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
     model = _structure(wl)
-    modes = list(checkpointing or checkpointing_modes(model))
+    modes = checkpointing_axis(wl, checkpointing, model, target_batch_size // world_size, check=check_savings)
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
     return PlanRequest(
@@ -351,7 +354,8 @@ def _resolve(
         target_batch_size=target_batch_size,
         world_size=world_size,
         precisions=tuple(usable),
-        checkpointing=tuple(modes),
+        checkpointing=modes.modes,
+        dropped=modes.dropped,
         axis=tuple(strategies(world_size, *strategy_axis)),
         headroom=headroom,
         reference_batch_size=reference_batch_size,
@@ -401,7 +405,7 @@ def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
 
 def _new_ledger(request: PlanRequest) -> _Ledger:
     """Every candidate not run yet, and the card whose predicted speed ranks them."""
-    ledger = _Ledger({s: Candidate(s, "not run") for s in request.pool()}, card=request.card)
+    ledger = _Ledger({s: Candidate(s, request.initial_status(s)) for s in request.pool()}, card=request.card)
     if request.card is None and not request.workload.builds_fresh_models and isinstance(request.device, SimDevice):
         ledger.speed_error = (
             "the workload's model is an instance, with the script's own optimizer: fake steps must not step it, "
