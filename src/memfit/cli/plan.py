@@ -152,7 +152,9 @@ def print_plan(result: Plan) -> None:
     predicted = result.ranked_by == "predicted"
     speed = f"samples/s on {result.speed_gpu}" if predicted else "samples/s"
     columns = ["micro", "accum", "precision", "checkpointing"]
-    if result.world_size > 1:
+    # one GPU shows the strategy once CPU offload (plan's fallback) was weighed
+    strategies = result.world_size > 1 or any(c.settings.shard != "none" for c in result.candidates)
+    if strategies:
         columns.append("strategy")
     columns += ["status", "peak reserved", speed]
     if predicted:
@@ -171,7 +173,7 @@ def print_plan(result: Plan) -> None:
             str(s.accumulation_steps),
             s.precision,
             s.checkpointing,
-            *(strategy if result.world_size > 1 else []),
+            *(strategy if strategies else []),
             c.status,
             format_size(m.peak_reserved) if m else "-",
             *(
