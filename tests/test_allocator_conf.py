@@ -282,3 +282,26 @@ def test_pytorchs_reproducer_of_reserved_growth_under_split_limit_and_expandable
     # "either option on its own keeps reserved under 500 MiB"
     assert max(cycles("max_split_size_mb:128").values()) < 500
     assert max(cycles("expandable_segments:True").values()) < 500
+
+
+def test_allocator_advice_names_the_setting_that_saves_with_its_saving() -> None:
+    from memfit.search.offload_plan import allocator_advice
+
+    shown = {"torch's defaults": 42 * MiB, "expandable_segments:True": 20 * MiB}
+    (line,) = allocator_advice(shown, "torch's defaults")
+    assert "expandable_segments:True would reserve 20.00 MiB" in line and "saves 22.00 MiB" in line
+    assert line.endswith("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    assert allocator_advice(shown, "expandable_segments:True") == []  # already the least
+    assert allocator_advice({"torch's defaults": None, "expandable_segments:True": 20 * MiB}, "torch's defaults") == []
+
+
+def test_doctor_predicts_each_settings_reserved_memory_for_a_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    from memfit.cli import main
+
+    main(["doctor", "--workload", "mlp:layers=1,width=8", "--batch-size", "2", "--json"])
+    import json
+
+    findings = json.loads(capsys.readouterr().out)["findings"]
+    (found,) = [f for f in findings if f["message"].startswith("mlp:layers=1,width=8 at batch 2")]
+    assert "torch's defaults: 2.00 MiB" in found["message"] and "expandable_segments:True: 2.00 MiB" in found["message"]
+    assert main(["doctor", "--workload", "mlp"]) == 2  # --batch-size missing: one line, exit 2

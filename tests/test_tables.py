@@ -38,4 +38,5 @@ def test_status_words_are_short_and_each_has_its_meaning() -> None:
     assert all(len(word) <= 8 for word, _ in STATUS_WORDS.values())
     assert status_word("failed: RuntimeError: boom") == "failed"
     assert status_word("out of memory") == "OOM"
+    assert status_word("saves nothing (6 x Linear)") == "no gain"
     assert status_legend({"out of memory", "measured"}) == "fits: measured within the headroom · OOM: out of memory"

@@ -154,7 +154,9 @@ def print_plan(result: Plan) -> None:
     predicted = result.ranked_by == "predicted"
     on_cpu = result.device.startswith(("sim", "cpu"))
     columns = ["micro", "accum", "prec", "ckpt"]
-    if result.world_size > 1:
+    # one GPU shows the strategy once CPU offload (plan's fallback) was weighed
+    strategies = result.world_size > 1 or any(c.settings.shard != "none" for c in result.candidates)
+    if strategies:
         columns.append("strategy")
     columns += ["status", "peak"]
     columns += (["pred/s", "CPU/s" if on_cpu else "meas/s"]) if predicted else ["samples/s"]
@@ -173,7 +175,7 @@ def print_plan(result: Plan) -> None:
             str(s.accumulation_steps),
             s.precision,
             s.checkpointing,
-            *(strategy if result.world_size > 1 else []),
+            *(strategy if strategies else []),
             status_word(c.status),
             short_size(m.peak_reserved) if m else "-",
             *speeds,

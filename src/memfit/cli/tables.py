@@ -63,16 +63,25 @@ STATUS_WORDS: dict[str, tuple[str, str]] = {
 }
 
 
+#: statuses that carry their detail after a fixed start -> (word, meaning)
+STATUS_PREFIXES: dict[str, tuple[str, str]] = {
+    "failed": ("failed", "the trial raised (its reason is in --json)"),
+    "saves nothing": ("no gain", "this checkpointing saves no memory here, not run"),
+}
+
+
 def status_word(status: str) -> str:
-    """The short word for a status (a failure keeps its first word: ``failed``)."""
-    if status.startswith("failed"):
-        return "failed"
+    """The short word for a status (one with its detail after a fixed start: that start's word)."""
+    for start, (word, _) in STATUS_PREFIXES.items():
+        if status.startswith(start):
+            return word
     return STATUS_WORDS.get(status, (status, ""))[0]
 
 
 def status_legend(statuses: set[str]) -> str:
     """One line naming what each shown word means, in the table's order of words."""
     parts = [f"{word}: {meaning}" for status, (word, meaning) in STATUS_WORDS.items() if status in statuses]
-    if any(s.startswith("failed") for s in statuses):
-        parts.append("failed: the trial raised (its reason is in --json)")
+    for start, (word, meaning) in STATUS_PREFIXES.items():
+        if any(s.startswith(start) for s in statuses):
+            parts.append(f"{word}: {meaning}")
     return " · ".join(parts)

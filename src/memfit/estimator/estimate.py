@@ -581,9 +581,11 @@ def _traced(request: _Request, way: Way) -> Estimate:
     card = _speed_card(target, settings) if options.speed else None
     offload = settings.shard in OFFLOAD_SHARDS
     count = card is not None and target.cuda and not offload
-    one_gpu = FakeSteps(wl, foreach=target.cuda, cuda=target.semantics)
+    # under CPU offload the optimizer steps on the CPU, where PyTorch's default is the for-loop
+    foreach = target.cuda and not offload
+    one_gpu = FakeSteps(wl, foreach=foreach, cuda=target.semantics)
     runner = (
-        tracing(wl, settings, foreach=target.cuda, cuda=target.semantics)
+        tracing(wl, settings, foreach=foreach, cuda=target.semantics)
         if way is Way.RANKS
         else contextlib.nullcontext(one_gpu)
     )

@@ -22,7 +22,7 @@ from memfit.run.strategy import OFFLOAD_SHARDS, Shard
 from memfit.units import format_size
 from memfit.workload import Workload
 
-__all__ = ["OffloadTrials", "offload_axis", "needs_estimated_trials"]
+__all__ = ["OffloadTrials", "offload_axis", "needs_estimated_trials", "allocator_advice"]
 
 
 def offload_axis() -> tuple[tuple[Shard, int | None], ...]:
@@ -46,6 +46,8 @@ class OffloadTrials:
     host: dict[Settings, int] = field(default_factory=dict)
     #: precision -> the parameter bytes the host keeps (what the copies move)
     parameter_bytes: dict[str, int] = field(default_factory=dict)
+    #: settings -> its peak reserved under each allocator setting compared
+    reserved_by_setting: dict[Settings, dict[str, int | None]] = field(default_factory=dict)
     card: GPU | None = None
 
     def trial(self, workload: Workload, settings: Settings, device: Device) -> Measurement:
@@ -63,6 +65,7 @@ class OffloadTrials:
         est = estimate(workload, settings.micro_batch_size, one, device=device, search=False)
         if est.host_memory is not None:
             self.host[settings] = est.host_memory
+        self.reserved_by_setting[one] = dict(est.reserved_by_setting)
         if est.predicted_time is not None and "host_parameter_bytes" in est.predicted_time:
             self.parameter_bytes[settings.precision] = int(est.predicted_time["host_parameter_bytes"])
             if self.card is not None and est.speed_gpu == self.card.name:
@@ -103,3 +106,26 @@ class OffloadTrials:
             f"CPU offload keeps about {format_size(held)} in host memory per rank (parameters, gradients and "
             "optimizer state, the optimizer step on the CPU): the training machine needs that much free RAM"
         ]
+
+
+def allocator_advice(by_setting: dict[str, int | None], current: str) -> list[str]:
+    """One line recommending the allocator setting that reserves least for the recommended
+    settings, with its predicted saving (empty when the current one is already the least).
+
+    Args:
+        by_setting: peak reserved bytes under each allocator setting (None: does not fit).
+        current: the setting the plan ran with (``AllocatorConfig.describe()``).
+    """
+    ran = by_setting.get(current)
+    fitting = {name: reserved for name, reserved in by_setting.items() if reserved is not None}
+    if ran is None or not fitting:
+        return []
+    best, reserved = min(fitting.items(), key=lambda item: item[1])
+    if reserved >= ran or best == current:
+        return []
+    value = "" if best == "torch's defaults" else best
+    fix = f"export PYTORCH_CUDA_ALLOC_CONF={value}" if value else "unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF"
+    return [
+        f"allocator: {best} would reserve {format_size(reserved)} at the peak instead of {format_size(ran)} "
+        f"(saves {format_size(ran - reserved)}): {fix}"
+    ]

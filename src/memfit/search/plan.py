@@ -96,7 +96,7 @@ from memfit.search.candidates import (
     strategies,
 )
 from memfit.search.headroom import DEFAULT_HEADROOM, check_headroom
-from memfit.search.offload_plan import OffloadTrials, needs_estimated_trials, offload_axis
+from memfit.search.offload_plan import OffloadTrials, allocator_advice, needs_estimated_trials, offload_axis
 from memfit.search.plan_text import nothing_fits_message, plan_advice, reason, why_this_strategy
 from memfit.search.plan_trials import (
     Failures,
@@ -522,6 +522,28 @@ def _record_speed(request: PlanRequest, hooks: PlanHooks, ledger: _Ledger, c: Ca
         c.predicted_samples_per_second = samples * request.world_size
 
 
+def _allocator_advice(request: PlanRequest, ledger: _Ledger, best: Candidate) -> list[str]:
+    """The allocator setting that would reserve least for the recommendation, with its saving:
+    the recommended step's events replayed under each (:func:`memfit.estimate`'s
+    ``reserved_by_setting``); nothing where the estimator cannot run the step."""
+    from memfit.estimator.estimate import estimate
+    from memfit.memory import allocator_conf
+
+    s = best.settings
+    known = ledger.offload.reserved_by_setting.get(s.replace(accumulation_steps=1)) if ledger.offload else None
+    if known is None:
+        if not isinstance(request.device, SimDevice):
+            return []  # a real GPU's trials measured it: the replay would be of the estimator's step
+        try:
+            one = s.replace(accumulation_steps=1)
+            known = estimate(
+                request.workload, s.micro_batch_size, one, device=request.device, search=False, speed=False
+            ).reserved_by_setting
+        except Exception:  # noqa: BLE001 - advice only: a step fake tensors cannot run gives none
+            return []
+    return allocator_advice(known, allocator_conf.current().describe())
+
+
 def _result(
     request: PlanRequest, ledger: _Ledger, measured: list[Candidate], speed: Speed, on_device: Trials | None
 ) -> Plan:
@@ -541,7 +563,8 @@ def _result(
         recommended=best,
         reason=reason(best, measured, request.device, speed, card) + why_this_strategy(best, ordered, request.axis),
         advice=plan_advice(request, best.settings, ledger.failures)
-        + (ledger.offload.advice(best.settings) if ledger.offload else []),
+        + (ledger.offload.advice(best.settings) if ledger.offload else [])
+        + _allocator_advice(request, ledger, best),
         trial_steps=ledger.trial_steps,
         headroom=request.headroom,
         estimate_error=ledger.estimate_error,
