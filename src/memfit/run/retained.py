@@ -71,6 +71,7 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         yield from ((f".{k}", v) for k, v in vars(obj).items() if not k.startswith("_"))
     elif isinstance(obj, torch.optim.Optimizer):
         yield ".state", list(obj.state.values())
+        yield ".param_groups", [group["params"] for group in obj.param_groups]
     elif hasattr(obj, "__dict__") and not isinstance(obj, (type, types.ModuleType)):
         yield from ((f".{k}", v) for k, v in list(vars(obj).items())[:1000])
 
@@ -147,9 +148,10 @@ class Resident(NamedTuple):
 def resident(workload: Workload, device: Device) -> Resident:
     """The device memory each path from ``workload`` holds (rounded as the allocator rounds).
 
-    A storage reached twice counts once, under the first path. What the model instance
-    holds (parameters, buffers, gradients) and any optimizer's state is ``kept``: a
-    script's own model and optimizer stay on the device between trials by design.
+    A storage reached twice counts once, under the first path. For a workload built
+    around a model instance, what the instance holds (parameters, buffers, gradients)
+    and any optimizer's state is ``kept``: a script's own model and optimizer stay on the
+    device between trials by design.
 
     Args:
         workload: the workload walked.
@@ -157,6 +159,7 @@ def resident(workload: Workload, device: Device) -> Resident:
     """
     paths: dict[str, int] = {}
     kept = 0
+    instance = not workload.builds_fresh_models
     storages: set[tuple[str, int]] = set()
     for path, tensor in reachable_tensors(workload):
         if not device.holds(tensor):
@@ -167,7 +170,9 @@ def resident(workload: Workload, device: Device) -> Resident:
             continue
         storages.add(key)
         nbytes = round_size(storage.nbytes())
-        if path.startswith("the model.") or ".state[" in path:
+        # only a script's own model instance and optimizer stay on purpose; a workload
+        # that builds fresh models keeps nothing from one run to the next
+        if instance and (path.startswith("the model.") or ".state[" in path):
             kept += nbytes
         else:
             group = _first_hop(path)
