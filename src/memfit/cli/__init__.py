@@ -199,29 +199,34 @@ def main(
             command has its outcome, SIGINT and SIGTERM are ignored, so a second signal
             cannot put a traceback or another status after the line already printed.
     """
-    from memfit.cli.noise import noise_held
-    from memfit.cli.process_state import state_kept
+    try:
+        from memfit.cli.noise import noise_held
+        from memfit.cli.process_state import state_kept
 
-    text_streams_that_always_encode()
-    args = sys.argv[1:] if argv is None else list(argv)
-    named = next((i for i, a in enumerate(args) if a in COMMANDS), len(args))
-    verbose = "--verbose" in args[:named]
-    uses_torch = named < len(args) and args[named] in _TORCH_COMMANDS
-    with noise_held(verbose, uses_torch) as held:
-        try:
-            around = within() if within is not None else contextlib.nullcontext()
-            with sigterm_ends_like_sigint(), interrupts_not_lost(), around, state_kept():
-                result = cli.main(args=args, prog_name="memfit", standalone_mode=False)
-        except BaseException as error:  # noqa: BLE001 - every way out ends in one status and its line
+        text_streams_that_always_encode()
+        args = sys.argv[1:] if argv is None else list(argv)
+        named = next((i for i, a in enumerate(args) if a in COMMANDS), len(args))
+        uses_torch = named < len(args) and args[named] in _TORCH_COMMANDS
+        held = noise_held("--verbose" in args[:named], uses_torch)
+        with held as noise:
+            try:
+                around = within() if within is not None else contextlib.nullcontext()
+                with sigterm_ends_like_sigint(), interrupts_not_lost(), around, state_kept():
+                    result = cli.main(args=args, prog_name="memfit", standalone_mode=False)
+            except BaseException:
+                if final:
+                    ignore_signals()
+                raise
             if final:
                 ignore_signals()
-            status = _ended_by(error)
-            if status == 1:  # the user's traceback is shown: what torch said belongs with it
-                held.show()
-            return status
-    if final:
-        ignore_signals()
-    held.show()
+            noise.show()
+    except BaseException as error:  # noqa: BLE001 - every way out ends in one status and its line
+        if final:
+            ignore_signals()
+        status = _ended_by(error)
+        if status == 1 and "noise" in locals():  # the user's traceback is shown: what torch said belongs with it
+            noise.show()
+        return status
     return result if isinstance(result, int) else 0
 
 

@@ -34,12 +34,25 @@ class Held(logging.Handler):
         if len(self.records) < _LIMIT:
             self.records.append(record)
 
+    def warn(
+        self,
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: object = None,
+        line: str | None = None,
+    ) -> None:
+        """``warnings.showwarning`` while held: keep the warning to show later."""
+        if len(self.warnings) < _LIMIT:
+            self.warnings.append(warnings.WarningMessage(message, category, filename, lineno, None, line))
+
     def show(self) -> None:
         """Write what was held to stderr (after memfit's own output)."""
         formatter = logging.Formatter("%(name)s: %(levelname)s: %(message)s")
         for record in self.records:
             sys.stderr.write(formatter.format(record) + "\n")
-        for caught in self.warnings[:_LIMIT]:
+        for caught in self.warnings:
             sys.stderr.write(
                 warnings.formatwarning(caught.message, caught.category, caught.filename, caught.lineno, caught.line)
             )
@@ -66,13 +79,15 @@ def noise_held(verbose: bool, uses_torch: bool) -> Iterator[Held]:
         for handler in handlers:
             logger.removeHandler(handler)
         logger.addHandler(held)
+    # showwarning replaced, not catch_warnings: that resets every module's warning registry, so
+    # warnings torch's C++ code raises once would run Python code again each time (where an
+    # interrupt can land inside a C++ callback and abort the process)
+    shown = warnings.showwarning
+    warnings.showwarning = held.warn
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            try:
-                yield held
-            finally:
-                held.warnings = list(caught)
+        yield held
     finally:
+        warnings.showwarning = shown
         for logger, handlers, propagate in saved:
             logger.removeHandler(held)
             for handler in handlers:
