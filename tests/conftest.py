@@ -128,3 +128,27 @@ def torchrun_env() -> Callable[..., list[dict[str, str]]]:
         return [{**os.environ, **common, "RANK": str(rank), "LOCAL_RANK": str(rank), **extra} for rank in range(world)]
 
     return environments
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test starts with the SIGINT and SIGTERM handlers the one before it started with.
+
+    Why: the interrupt tests send signals to this very process and expect Python's own
+    handling; a test that leaves another handler installed (a library's, or memfit's
+    end-of-command SIG_IGN in a process that goes on) must not change what they see. Which
+    tests left one is written to $MEMFIT_SIGNAL_LOG when that is set.
+    """
+    import signal
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        if signal.getsignal(sig) is not handler:
+            log = os.environ.get("MEMFIT_SIGNAL_LOG")
+            if log:
+                with open(log, "a") as out:
+                    out.write(
+                        f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}: {sig!r} left as {signal.getsignal(sig)!r}\n"
+                    )
+            signal.signal(sig, handler)

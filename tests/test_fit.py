@@ -37,14 +37,20 @@ def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
     # the estimate was probe's starting point, and on sim it is exact
     assert result.estimate.max_batch_size == result.probe.max_batch_size
     page = (tmp_path / "report" / "report.html").read_text()
-    # the figures beside the page, and embedded in it, are those of this fit's own results
-    for name, draw, result_of in (
-        ("probe", probe_png, result.probe),
-        ("estimate", estimate_png, result.estimate),
-        ("plan", plan_png, result.plan),
+    # the figures beside the page, and embedded in it, are those of this fit's own results (the
+    # probe's with each fitting batch's speed predicted on the simulated GPU's card)
+    from memfit.search.probe_speeds import with_predicted_speeds
+
+    charted = with_predicted_speeds(
+        result.probe.to_dict(), memfit.load_workload(TINY), memfit.Settings(), memfit.device("sim:16MiB")
+    )
+    for name, draw, shown in (
+        ("probe", probe_png, charted),
+        ("estimate", estimate_png, result.estimate.to_dict()),
+        ("plan", plan_png, result.plan.to_dict()),
     ):
         png = (tmp_path / "report" / f"report-{name}.png").read_bytes()
-        assert png == draw(result_of.to_dict())
+        assert png == draw(shown)
         assert f'<img src="{png_data_uri(png)}" alt="{name} figure">' in page
     assert "Plan" in page and "Probe" in page and "Estimate" in page
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == [

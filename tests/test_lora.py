@@ -66,8 +66,9 @@ def _workload(model: Any, optimizer: Any = None) -> memfit.Workload:
 
 
 def _adamw_state(model: nn.Module) -> int:
-    """What AdamW keeps for ``model``: exp_avg, exp_avg_sq and a step count per trainable parameter."""
-    return sum(2 * round_size(p.nbytes) + round_size(4) for p in model.parameters() if p.requires_grad)
+    """What AdamW keeps on the GPU for ``model``: exp_avg and exp_avg_sq per trainable parameter
+    (its step counts are host tensors, as on CUDA: memory/tracker.py's rule)."""
+    return sum(2 * round_size(p.nbytes) for p in model.parameters() if p.requires_grad)
 
 
 def _agree(workload: memfit.Workload, batch: int = 8) -> memfit.Estimate:

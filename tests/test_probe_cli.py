@@ -51,8 +51,15 @@ def test_plot_writes_a_png(run_cli, tmp_path: Path) -> None:
         "probe", FAST, "--device", "sim:4MiB", "--max-batch-size", "8", "--plot", str(target), "--json"
     )
     assert status == 0
-    # the plot is the figure of the very trials printed (what it draws: tests/test_report.py)
-    assert target.read_bytes() == probe_png(json.loads(out))
+    # the plot is the figure of the very trials printed, with each fitting batch's speed predicted on
+    # the simulated GPU's card (what it draws: tests/test_report.py)
+    from memfit.search.probe_speeds import with_predicted_speeds
+
+    charted = with_predicted_speeds(
+        json.loads(out), memfit.load_workload(FAST), memfit.Settings(), memfit.device("sim:4MiB")
+    )
+    assert "predicted_samples_per_second" in charted["trials"][0]
+    assert target.read_bytes() == probe_png(charted)
     assert [p.name for p in tmp_path.iterdir()] == ["probe.png"]  # no temp file left behind
 
 

@@ -303,7 +303,7 @@ def test_plan_cli_shows_the_predicted_column(capsys: pytest.CaptureFixture[str])
                  "--precision", "fp32", "--checkpointing", "none"])  # fmt: skip
     assert code == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "Ranked by the predicted speed on the RTX 4090" in out
+    assert "pred/s: samples/s predicted on the RTX 4090" in " ".join(out.split())
 
 
 def test_plan_says_so_and_ranks_by_measurement_when_no_speed_can_be_predicted() -> None:

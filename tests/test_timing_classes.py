@@ -13,7 +13,7 @@ from torch import nn
 import memfit
 from memfit.cli import main
 from memfit.estimator.kernel_classes import Classified
-from memfit.estimator.kernel_rates import RATES, SM_COUNT, TILE, KernelClass, gemm_utilisation
+from memfit.estimator.kernel_rates import RATES, SM_COUNT, TILE, KernelClass, gemm_utilisation, sm_count
 from memfit.estimator.speed import record_step
 from memfit.estimator.timing import DType, Kind, OpCounter, predict
 from memfit.memory.gpus import GPUS, lookup
@@ -51,7 +51,9 @@ def test_a_product_of_few_tiles_is_split_along_k_and_tiles_are_filled_partly() -
 
 
 def test_every_card_of_the_table_has_an_sm_count() -> None:
-    assert {gpu.name for gpu in GPUS} <= set(SM_COUNT)
+    assert all(sm_count(gpu) for gpu in GPUS)
+    # where both tables name a card they agree
+    assert all(gpu.sms == SM_COUNT[gpu.name] for gpu in GPUS if gpu.sms and gpu.name in SM_COUNT)
 
 
 def test_tf32_runs_at_its_own_efficiency_not_the_16_bit_one() -> None:

@@ -184,8 +184,8 @@ RATES = Rates()
 
 
 def sm_count(gpu: GPU) -> int | None:
-    """The card's SM count, or None when the table does not know it."""
-    return SM_COUNT.get(gpu.name)
+    """The card's SM count: the GPU table's own (``GPU.sms``), else this module's, else None."""
+    return gpu.sms or SM_COUNT.get(gpu.name)
 
 
 def gemm_utilisation(m: float, n: float, k: float, batch: float, sms: int | None) -> float:

@@ -345,7 +345,9 @@ def _resolve(
     card = speed_card(gpu, speed_gpu) if wl.builds_fresh_models else None
     usable = [p for p in (precisions or PRECISIONS) if gpu.supports(p) and (card is None or p != "bf16" or card.bf16)]
     model = _structure(wl)
-    modes = checkpointing_axis(wl, checkpointing, model, target_batch_size // world_size, check=check_savings)
+    # A model instance's optimizer is bound to its real parameters: no fake steps may step it.
+    check = check_savings and wl.builds_fresh_models
+    modes = checkpointing_axis(wl, checkpointing, model, target_batch_size // world_size, check=check)
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     del model
     return PlanRequest(
