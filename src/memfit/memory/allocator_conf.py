@@ -42,6 +42,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from memfit.environment.versions import ALLOC_CONF_KEYS
 from memfit.errors import MemfitError
 from memfit.units import MiB
 
@@ -68,24 +69,21 @@ LARGE_BUFFER = 20 * MiB
 INTERVALS = 16
 _INTERVAL_START_LOG2 = 20  # 1 MiB
 
-#: keys that change nothing the device allocator reserves
-_NO_EFFECT = frozenset(
+#: keys the allocator model reads (or refuses with a reason); every other key torch accepts
+#: changes nothing the device allocator reserves
+_MODELLED = frozenset(
     {
-        "release_lock_on_cudamalloc",
-        "release_lock_on_hipmalloc",
-        "pinned_use_cuda_host_register",
-        "pinned_use_hip_host_register",
-        "pinned_use_host_register",
-        "pinned_num_register_threads",
-        "pinned_use_background_threads",
-        "pinned_max_round_threshold",
-        "pinned_max_cached_size",
-        "pinned_reserve_segment_size_mb",
-        "pinned_free_catch_all",
-        "graph_capture_record_stream_reuse",
-        "throw_on_cudamalloc_oom",
+        "backend",
+        "max_split_size_mb",
+        "max_non_split_rounding_mb",
+        "garbage_collection_threshold",
+        "roundup_power2_divisions",
+        "expandable_segments",
+        "large_segment_size_mb",
+        "per_process_memory_fraction",
     }
 )
+_NO_EFFECT = ALLOC_CONF_KEYS - _MODELLED
 
 
 @dataclass(frozen=True)

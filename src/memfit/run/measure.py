@@ -118,9 +118,30 @@ def measure(
     if not fits:
         # Outside the except block, so the failed step's tensors can be freed.
         release_cached_memory()
+    result = measurement_of(gpu, batch_size, fits, seconds, losses)
+    gpu.empty_cache()
+    not_finite = [value for value in losses if not math.isfinite(value)]
+    result = _with_retained(result, workload, gpu, start)
+    if result.retained_by:
+        warnings.warn(result.retained_by, UserWarning, stacklevel=2)
+    if not_finite:
+        warnings.warn(non_finite_loss_message(workload.name, batch_size, not_finite[0]), UserWarning, stacklevel=2)
+    return result
+
+
+def measurement_of(gpu: Device, batch_size: int, fits: bool, seconds: float | None, losses: list[float]) -> Measurement:
+    """The :class:`Measurement` of steps just run on ``gpu``: its peaks since the last reset, and the losses.
+
+    Args:
+        gpu: the device the steps ran on (its peak statistics were reset before them).
+        batch_size: the micro-batch the steps ran.
+        fits: False when the steps ran out of memory.
+        seconds: the time of one step, or None when none completed.
+        losses: the losses of the steps that completed; the first non-finite one is reported.
+    """
     stats = gpu.memory_stats()
     not_finite = [value for value in losses if not math.isfinite(value)]
-    result = Measurement(
+    return Measurement(
         batch_size=batch_size,
         fits=fits,
         peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
@@ -129,13 +150,6 @@ def measure(
         loss=not_finite[0] if not_finite else (losses[-1] if losses else None),
         finite_loss=not not_finite,
     )
-    gpu.empty_cache()
-    result = _with_retained(result, workload, gpu, start)
-    if result.retained_by:
-        warnings.warn(result.retained_by, UserWarning, stacklevel=2)
-    if not_finite:
-        warnings.warn(non_finite_loss_message(workload.name, batch_size, not_finite[0]), UserWarning, stacklevel=2)
-    return result
 
 
 def _with_retained(result: Measurement, workload: Workload, gpu: Device, start: tuple[int, Resident]) -> Measurement:

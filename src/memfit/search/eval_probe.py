@@ -19,7 +19,6 @@ validation loop does.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from typing import Literal
 
@@ -30,7 +29,7 @@ from memfit.errors import MemfitError, WorkloadError
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.memory.oom import is_oom, release_cached_memory
-from memfit.run.measure import Measurement
+from memfit.run.measure import Measurement, measurement_of
 from memfit.run.settings import Settings, autocast
 from memfit.search.trials import Say, Trials
 from memfit.workload import Workload, move_to
@@ -138,17 +137,7 @@ def eval_measure(
         fits = False
     if not fits:
         release_cached_memory()  # outside the except block, so the failed batch can be freed
-    stats = gpu.memory_stats()
-    not_finite = [value for value in losses if not math.isfinite(value)]
-    result = Measurement(
-        batch_size=batch_size,
-        fits=fits,
-        peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
-        peak_reserved=int(stats.get("reserved_bytes.all.peak", 0)),
-        seconds_per_step=seconds,
-        loss=not_finite[0] if not_finite else (losses[-1] if losses else None),
-        finite_loss=not not_finite,
-    )
+    result = measurement_of(gpu, batch_size, fits, seconds, losses)
     gpu.empty_cache()
     return result
 
