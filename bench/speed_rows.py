@@ -64,8 +64,8 @@ SOURCES = {
         "(resnext101-32x4d/training/{AMP,TF32,FP32}/DGXA100_*_90E.sh, DGX1_*_90E.sh)",
         "ResNeXt-101 32x4d, pytorch-20.06 NGC container; the README: 'Our results were obtained by running "
         "the applicable training script', and the scripts run main.py on ImageNet JPEGs with "
-        "`--data-backend dali-cpu` (-j16 on DGX A100, -j5 on DGX-1), `-c fanin --label-smoothing 0.1`, SGD "
-        "momentum 0.875, weight decay 6.1e-5 (the last two, a few small kernels, not reproduced); AMP "
+        "`--data-backend dali-cpu` (-j16 on DGX A100, -j5 on DGX-1), SGD momentum 0.875; its label "
+        "smoothing 0.1 and weight decay 6.1e-5 (a few small kernels) are not reproduced; AMP "
         "(APEX's, `--amp --static-loss-scale 128`) with `--memory-format nhwc` at batch 128 (the DGX A100 "
         "script; the README's benchmark command and configs.yml say nhwc for DGX-1 too), TF32 at 128 "
         "(A100) and FP32 at 64 (V100), NCHW; DGX A100 40GB and DGX-1 V100 16GB/32GB, one GPU; img/s. "
