@@ -181,6 +181,33 @@ def _kind(row: Row) -> str:
     return "dense convolutions"
 
 
+def _source(row: Row) -> str:
+    return row.source
+
+
+def _mode(row: Row) -> str:
+    layout = "NHWC" if "/nhwc/" in row.workload else "NCHW"
+    if row.settings.precision != "fp32":
+        return f"{row.settings.precision}, {layout}"
+    return f"{'tf32' if row.tf32_conv else 'fp32'}, {layout}"
+
+
+def _card(row: Row) -> str:
+    return row.gpu
+
+
+def _grouped(results: list[Result], key: Any) -> list[str]:
+    """One line per value of ``key(row)``: rows, median |error|, worst error."""
+    lines = []
+    for value in sorted({key(r.row) for r in results}):
+        mine = figures([r for r in results if key(r.row) == value])
+        lines.append(
+            f"- {value}: {mine['rows']:.0f} rows, median |error| {mine['median_abs_error_pct']:.1f} %, "
+            f"worst {mine['worst_error_pct']:+.1f} %"
+        )
+    return lines
+
+
 def report(results: list[Result], seconds: float) -> str:
     validation = [r for r in results if not r.row.calibration]
     calibration = [r for r in results if r.row.calibration]
@@ -197,11 +224,14 @@ def report(results: list[Result], seconds: float) -> str:
         "on the card of the table. The model (`memfit/estimator/timing.py`, `kernel_classes.py`, "
         "`kernel_rates.py`) times each kernel by its class: matrix products at the sourced 16-bit "
         "efficiency with tile and wave quantization for the card's SM count; convolutions by kind "
-        "(dense, grouped, depthwise) with cuDNN's NCHW transposes on tensor cores; memory-bound "
-        "kernels at the measured streaming bandwidth; tf32 apart. "
+        "(dense, grouped, depthwise) with cuDNN's NCHW transposes on tensor cores (dense and grouped "
+        "ones: a depthwise convolution runs no tensor-core kernel); memory-bound kernels at the "
+        "measured streaming bandwidth; tf32 apart. "
         f"Calibrated efficiencies (fitted by `{COMMAND} --calibrate` on the {len(calibration)} calibration "
         f"rows only; the split is stated in `bench/speed_rows.py`): {_rates_text(RATES)}. "
-        "Error = (predicted - published) / published.",
+        "Error = (predicted - published) / published. DeepLearningExamples' rows are whole training "
+        "runs on ImageNet JPEGs (their input pipeline is in the published figure, not in the "
+        "prediction); every other source ran synthetic batches.",
         "",
         "Sources:",
         "",
@@ -215,12 +245,9 @@ def report(results: list[Result], seconds: float) -> str:
         "By kind (validation rows):",
         "",
     ]
-    for kind in sorted({_kind(r.row) for r in validation}):
-        mine = figures([r for r in validation if _kind(r.row) == kind])
-        lines.append(
-            f"- {kind}: {mine['rows']:.0f} rows, median |error| {mine['median_abs_error_pct']:.1f} %, "
-            f"worst {mine['worst_error_pct']:+.1f} %"
-        )
+    lines += _grouped(validation, _kind)
+    for title, key in (("source", _source), ("precision and layout", _mode), ("card", _card)):
+        lines += ["", f"By {title} (validation rows):", "", *_grouped(validation, key)]
     lines += [
         "",
         "| split | source | row | GPU | published samples/s | predicted | error | bound by |",

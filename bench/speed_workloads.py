@@ -136,15 +136,29 @@ def _vision_model(family: str) -> Callable[[], nn.Module]:
     return lambda: cls(config)
 
 
-def vision(family: str, *, channels_last: bool, momentum: float, image: int = 224, nesterov: bool = False) -> Workload:
-    """An image classifier trained with SGD on random images, as timm's and NVIDIA's benchmarks.
+def vision(
+    family: str,
+    *,
+    channels_last: bool,
+    momentum: float,
+    image: int = 224,
+    nesterov: bool = False,
+    rmsprop: bool = False,
+    label_smoothing: float = 0.0,
+) -> Workload:
+    """An image classifier trained with SGD (or RMSprop) on random images, as timm's and
+    NVIDIA's benchmarks.
 
     Args:
         family: the model (see :func:`_vision_model`).
         channels_last: model and batch in channels_last (NHWC) memory format.
-        momentum: SGD's momentum (timm 0.9 with Nesterov, DeepLearningExamples 0.875).
+        momentum: the optimizer's momentum (timm 0.9 with Nesterov, DeepLearningExamples
+            0.875, DeepLearningExamples' EfficientNet 0.9).
         image: the image side.
         nesterov: Nesterov momentum.
+        rmsprop: DeepLearningExamples' EfficientNet optimizer (configs.yml
+            ``efficientnet_params``: RMSprop, alpha 0.9, eps 0.01, weight decay 1e-5) instead of SGD.
+        label_smoothing: the cross-entropy's label smoothing.
     """
     make = _vision_model(family)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -156,13 +170,20 @@ def vision(family: str, *, channels_last: bool, momentum: float, image: int = 22
         return torch.randn(n, 3, image, image).to(memory_format=fmt), torch.randint(0, 1000, (n,))
 
     def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return nn.functional.cross_entropy(_hf_logits(m, batch[0]), batch[1])
+        return nn.functional.cross_entropy(_hf_logits(m, batch[0]), batch[1], label_smoothing=label_smoothing)
 
+    if rmsprop:
+        # torch.optim.RMSprop of the PyTorch of the time: its per-parameter loop (foreach=False)
+        optimizer = trainer_style(
+            torch.optim.RMSprop, None, lr=1e-4, alpha=0.9, eps=0.01, momentum=momentum, weight_decay=1e-5, foreach=False
+        )
+    else:
+        optimizer = trainer_style(torch.optim.SGD, None, lr=1e-4, momentum=momentum, nesterov=nesterov)
     return Workload(
         model=model,
         make_batch=make_batch,
         loss=loss,
-        optimizer=trainer_style(torch.optim.SGD, None, lr=1e-4, momentum=momentum, nesterov=nesterov),
+        optimizer=optimizer,
         name=f"{family}{' NHWC' if channels_last else ''}, {image}x{image}",
     )
 
@@ -197,7 +218,9 @@ def bert_large_classifier(optimizer: str = "adamw") -> Workload:
 
 def workload(key: str) -> Workload:
     """The workload a row names: ``bert-large adamw``, ``bert-large adafactor``, or
-    ``FAMILY[/nhwc]/timm|dle`` (timm: SGD 0.9 Nesterov; dle: SGD 0.875)."""
+    ``FAMILY[/nhwc]/timm|dle|dle-rmsprop`` (timm: SGD 0.9 Nesterov; dle: SGD 0.875;
+    dle-rmsprop: DeepLearningExamples' EfficientNet recipe, RMSprop with momentum 0.9 and
+    label smoothing 0.1)."""
     if key.startswith("bert-large"):
         return bert_large_classifier(key.split()[1])
     family, *rest = key.split("/")
@@ -205,6 +228,8 @@ def workload(key: str) -> Workload:
     return vision(
         family,
         channels_last="nhwc" in rest,
-        momentum=0.9 if origin == "timm" else 0.875,
+        momentum=0.875 if origin == "dle" else 0.9,
         nesterov=origin == "timm",
+        rmsprop=origin == "dle-rmsprop",
+        label_smoothing=0.1 if origin == "dle-rmsprop" else 0.0,
     )

@@ -107,6 +107,18 @@ def test_cudnn_transposes_nchw_activations_on_tensor_cores_and_not_channels_last
     assert "layout" not in fp32.by_class  # CUDA-core fp32 kernels run NCHW as it is
 
 
+def test_a_depthwise_convolution_in_nchw_is_not_transposed() -> None:
+    # a depthwise convolution runs no tensor-core kernel: PyTorch's own NCHW kernel or
+    # cuDNN's depthwise one, not the transposed tensor-core path of a dense or grouped one
+    settings = memfit.Settings(micro_batch_size=16, precision="fp16")
+    depthwise = record_step(conv_net(64, False), settings)
+    assert any(c == KernelClass.CONV_DEPTHWISE and b > 0 for c, b in zip(depthwise.forward_backward.classes,
+                                                                         depthwise.forward_backward.nchw))  # fmt: skip
+    assert "layout" not in predict(depthwise, A100, 16).by_class
+    grouped = predict(record_step(conv_net(8, False), settings), A100, 16)
+    assert grouped.by_class["layout"] > 0
+
+
 def test_memory_bound_kernels_stream_at_the_achievable_bandwidth_by_class() -> None:
     counter = OpCounter(step=0)
     for cls in (KernelClass.ELEMENTWISE, KernelClass.SOFTMAX, KernelClass.REDUCTION):

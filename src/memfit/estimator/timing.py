@@ -507,8 +507,13 @@ def _product_seconds(ops: tuple[Any, ...], card: _Card) -> tuple[float, bool, fl
     )
     # cuDNN's tensor-core kernels transpose NCHW activations in and out (one read and write
     # each); the guide states it for 16-bit data and it is applied to tf32 too (an assumption:
-    # without it the calibrated tf32 rate fits worse, see docs/benchmarks.md)
-    layout = 2 * nchw / (card.bandwidth * card.rates.layout) if nchw > 0 and mode != Mode.FP32 else 0.0
+    # without it the calibrated tf32 rate fits worse, see docs/benchmarks.md). A depthwise
+    # convolution runs on no tensor core (a few FLOPs per byte: a memory-bound CUDA-core
+    # kernel), so none: in NCHW PyTorch runs its own NCHW kernel (aten/src/ATen/native/cuda/
+    # DepthwiseConv2d.cu) unless ``ConvParams::use_cudnn_depthwise`` (aten/src/ATen/native/
+    # Convolution.cpp) picks cuDNN's depthwise kernels, which channels_last always does.
+    transposed = nchw > 0 and mode != Mode.FP32 and cls != KernelClass.CONV_DEPTHWISE
+    layout = 2 * nchw / (card.bandwidth * card.rates.layout) if transposed else 0.0
     return busy, bound, layout
 
 
