@@ -88,3 +88,23 @@ def test_plan_falls_back_to_offload_when_nothing_else_fits() -> None:
 def test_plan_with_its_strategies_chosen_does_not_offload() -> None:
     with pytest.raises(memfit.DoesNotFitError):
         plan(WIDE_MLP, 2, "sim:48MiB", precisions=["fp32"], checkpointing=["none"], shards=["none"])
+
+
+#: blocks save nothing on the GPU alone here (its step's peak is AdamW's, whose states offload moves to the host)
+STATE_HEAVY_GPT = "gpt:layers=4,embd=512,heads=2,seq_len=24,vocab=1024"
+
+
+def test_under_offload_the_plan_weighs_checkpointing_that_saved_nothing_on_the_gpu_alone() -> None:
+    result = plan(STATE_HEAVY_GPT, 8, "sim:56MiB", precisions=["fp32"])
+    by = {(c.settings.shard, c.settings.checkpointing, c.settings.micro_batch_size): c for c in result.candidates}
+    assert by["none", "blocks", 8].status == "saves nothing (4 x Block)"
+    # on the host's side of the policy the activations set the GPU's peak: recomputing them fits micro-batch 4
+    assert by["offload", "none", 4].status == "over headroom"
+    assert by["offload", "blocks", 4].status == "measured"
+    best = result.recommended
+    assert best is not None
+    assert (best.settings.shard, best.settings.checkpointing, best.settings.micro_batch_size) == (
+        "offload",
+        "blocks",
+        4,
+    )

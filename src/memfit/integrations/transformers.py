@@ -19,6 +19,19 @@ a mean over samples by its share of the samples (or of ``memfit_weight(inputs)``
 that does not split exactly is refused before anything is split. The Trainer's own
 scaling (its division by the accumulation steps) applies to the micro-batches as to the batch.
 
+``memfit_checkpointing`` (a policy of :mod:`memfit.run.checkpointing`: ``blocks``,
+``every:K``, ``first:N``, ``modules:NAME``, ``selective``, or a lock's
+``settings.checkpointing``) is applied to the model for the whole of ``train()`` through
+:meth:`memfit.Settings.apply`, the path Lightning's callback and a user's own loop take,
+and undone at its end. The trained weights are those of the run without it (the recompute
+replays dropout's random state, and restores the buffers a forward changed). Refused in one
+line before training: a policy that is not one, ``modules:NAME`` naming no module of the
+model, and a model or ``TrainingArguments`` already using transformers' gradient
+checkpointing (both would wrap the same layers: keep one). Policies that choose among the
+blocks forward runs are refused at the first training forward, before any gradient, when
+none runs. After the first step one line on transformers' logger says what recomputes, and
+says so when that saves no memory (nothing chosen, or the whole model).
+
 ``MemoryCallback`` records memory at every step end with a :class:`memfit.Monitor` and
 adds ``memfit/allocated``, ``memfit/reserved``, ``memfit/peak_allocated`` and
 ``memfit/peak_reserved`` (bytes) to each log the Trainer reports.
@@ -35,7 +48,7 @@ is watched, and on a CPU nothing is (the guard still catches real OOMs).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -43,10 +56,13 @@ import transformers
 from torch import nn
 
 from memfit import distributed
+from memfit.errors import MemfitError
 from memfit.guard import OOMEvent, Splitter
 from memfit.memory.devices import CudaDevice, Device
 from memfit.memory.devices import device as make_device
 from memfit.monitor.monitor import Monitor
+from memfit.run import checkpointing as _checkpointing
+from memfit.run.settings import Applied, Settings
 
 #: transformers' own logger for this module (its verbosity settings apply)
 logger = transformers.utils.logging.get_logger(__name__)
@@ -130,8 +146,10 @@ class MemfitTrainer(transformers.Trainer):
     Extra keyword arguments (all optional): ``memfit_device`` (see the module docstring),
     ``memfit_monitor`` (default True: add a :class:`MemoryCallback` on that device),
     ``memfit_grow_after``, ``memfit_split``, ``memfit_weight`` and ``memfit_exact`` (as
-    ``grow_after``, ``split``, ``weight`` and ``exact`` of :class:`memfit.Guard`). ``trainer.memfit_events`` lists
-    the OOMs recovered.
+    ``grow_after``, ``split``, ``weight`` and ``exact`` of :class:`memfit.Guard`),
+    ``memfit_checkpointing`` (a checkpointing policy, see the module docstring; default
+    ``none``). ``trainer.memfit_events`` lists the OOMs recovered; ``trainer.memfit_checkpointed``
+    names the modules that recompute (after the first training step).
     """
 
     def __init__(
@@ -143,8 +161,15 @@ class MemfitTrainer(transformers.Trainer):
         memfit_split: Callable[[Any, int], Any] | None = None,
         memfit_weight: Callable[[Any], Any] | None = None,
         memfit_exact: bool = True,
+        memfit_checkpointing: str = "none",
         **kwargs: Any,
     ) -> None:
+        Settings(checkpointing=memfit_checkpointing)  # a policy that is not one: refused here, in one line
+        self.memfit_checkpointing = memfit_checkpointing
+        self._memfit_applied: Applied | None = None
+        #: what checkpointing applied in the last train() (its modules once the first step ran)
+        self.memfit_checkpointed: _checkpointing.Checkpointed | None = None
+        self._memfit_said = False
         self.memfit_device = make_device(memfit_device) if memfit_device is not None else None
         self._memfit_options: dict[str, Any] = {
             "grow_after": memfit_grow_after,
@@ -156,6 +181,7 @@ class MemfitTrainer(transformers.Trainer):
         self._memfit_factor = 1.0
         self.memory_callback: MemoryCallback | None = None
         super().__init__(*args, **kwargs)
+        self._refuse_checkpointing()
         if memfit_monitor:
             self.memory_callback = MemoryCallback(self.memfit_device)
             # First, so the reporting callbacks' on_log sees the memory metrics.
@@ -173,12 +199,13 @@ class MemfitTrainer(transformers.Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train`` with the memfit device entered (for ``sim:``, that counts the tensors)."""
+        self._refuse_checkpointing()  # the arguments or the model may have changed since __init__
         gpu = self.memfit_device
-        if gpu is None:
-            return super().train(*args, **kwargs)
-        with gpu:
-            gpu.adopt(list(self.model.parameters()) + list(self.model.buffers()))
-            return super().train(*args, **kwargs)
+        with gpu if gpu is not None else contextlib.nullcontext():
+            if gpu is not None:
+                gpu.adopt(list(self.model.parameters()) + list(self.model.buffers()))
+            with self._checkpointing_applied():
+                return super().train(*args, **kwargs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log`` with the last step's memory added, so ``log_history`` has it too."""
@@ -225,6 +252,7 @@ class MemfitTrainer(transformers.Trainer):
                 logger.warning(event.describe())
         if ddp is not None:
             distributed.average_gradients_([p for p in model.parameters() if p.requires_grad])
+        self._say_checkpointed()
         return torch.tensor(result.loss, device=self.args.device)
 
     # -- the pieces ----------------------------------------------------------------------
@@ -238,3 +266,43 @@ class MemfitTrainer(transformers.Trainer):
                 module, device=self.memfit_device, check_finite=finite, **self._memfit_options
             )
         return self._memfit_splitter
+
+    def _refuse_checkpointing(self) -> None:
+        """Refuse, before training, a checkpointing policy this model cannot take."""
+        if self.memfit_checkpointing == "none":
+            return
+        if getattr(self.args, "gradient_checkpointing", False):
+            raise MemfitError(
+                f"memfit_checkpointing={self.memfit_checkpointing!r} and TrainingArguments(gradient_checkpointing=True) "
+                "would both checkpoint the same layers: keep one (memfit_checkpointing='blocks' is transformers' own)"
+            )
+        _checkpointing.check_model(self.model, self.memfit_checkpointing)
+
+    @contextlib.contextmanager
+    def _checkpointing_applied(self) -> Iterator[None]:
+        """The policy applied to the model for one ``train()`` (Settings.apply, as Lightning and
+        a user's own loop), undone at its end whatever happens."""
+        if self.memfit_checkpointing == "none":
+            yield
+            return
+        applied = Settings(checkpointing=self.memfit_checkpointing).apply(self.model)
+        self._memfit_applied, self.memfit_checkpointed, self._memfit_said = applied, applied.checkpointed, False
+        try:
+            yield
+        finally:
+            self._memfit_applied = None
+            applied.undo()
+
+    def _say_checkpointed(self) -> None:
+        """Once per train(), after the first step: what recomputes, and when that saves nothing."""
+        done = self.memfit_checkpointed
+        if self._memfit_said or self._memfit_applied is None or done is None or not done.found:
+            return
+        self._memfit_said = True
+        if not self.is_world_process_zero():
+            return
+        nothing = _checkpointing.saves_nothing(done)
+        if nothing is not None:
+            logger.warning(f"memfit: {nothing}")
+        else:
+            logger.info(f"memfit: checkpointing {done.policy}: {done.describe()} recompute in backward")

@@ -30,7 +30,16 @@ the random state of the first run (``preserve_rng_state``), and a block whose fo
 changed its own buffers (BatchNorm's running statistics, ``num_batches_tracked``) has
 them put back after the recompute, so the buffers end as the unchanged run leaves them,
 not updated twice. Python attributes a forward changes are not put back: a block that
-keeps state outside its buffers must not be checkpointed.
+keeps state outside its buffers must not be checkpointed. A transformers model's key/value
+cache is turned off while memfit's own checkpointing is applied (``config.use_cache``, put
+back by the undo): a recompute would append its keys and values to the cache a second
+time; transformers' own gradient checkpointing turns it off in training for the same reason.
+
+Refused before anything runs: a model whose transformers gradient checkpointing is already
+on (two checkpointing mechanisms around the same layers: keep one); and by
+:func:`check_model`, for a caller that can refuse before training starts (the transformers
+Trainer), also ``modules:NAME`` naming no module of the model at all (:func:`enable`
+itself refuses it at the first forward, naming the blocks that ran).
 
 >>> parse("every:2").every
 2
@@ -62,6 +71,8 @@ __all__ = [
     "recompute_order",
     "Checkpointed",
     "enable",
+    "check_model",
+    "saves_nothing",
     "POLICY_HELP",
     "BUDGET",
 ]
@@ -166,6 +177,11 @@ class Checkpointed:
     modules: list[tuple[str, str]] = field(default_factory=list)
     #: True once the modules are chosen
     found: bool = False
+    #: checkpointed calls so far that keep something for backward (a parameter or an input
+    #: requiring gradients): 0 after a training step means the policy recomputes nothing
+    recomputing: int = 0
+    #: True when transformers' own gradient checkpointing recomputes (its calls are not counted)
+    transformers: bool = False
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def describe(self) -> str:
@@ -197,6 +213,9 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
     if p.kind == "none":
         done.found = True
         return done
+    _refuse_double_checkpointing(model, policy)
+    # before transformers' own enable, which turns the cache off for good: the undo puts it back
+    done._undo.append(_without_kv_cache(model))
     if p.kind == "blocks" and _is_transformers(model):
         hf: Any = model
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -206,7 +225,7 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
             for n, m in model.named_modules()
             if getattr(m, "gradient_checkpointing", False) is True and not _is_transformers(m)
         ]
-        done.found = True
+        done.found = done.transformers = True
         done._undo.append(hf.gradient_checkpointing_disable)
         return done
 
@@ -235,7 +254,7 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
                 raise
             chosen = []
         for _, block in chosen:
-            done._undo.append(_wrap(block, p.kind == "selective"))
+            done._undo.append(_wrap(block, p.kind == "selective", done))
         prefix = paths.get(id(module), "")
         done.modules += [(_join(prefix, path), class_name(block)) for path, block in chosen]
         done.found = True
@@ -252,6 +271,100 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
 
     done._undo.append(stop_waiting)
     return done
+
+
+def check_model(model: nn.Module, policy: str) -> None:
+    """Refuse, in one line, a policy that cannot apply to ``model`` whatever forward runs.
+
+    ``modules:NAME`` where no module of the model has that class or path (relative to the
+    model or to a part of it a forward may call on its own); and any policy on a model whose
+    transformers gradient checkpointing is already on (``gradient_checkpointing_enable``):
+    memfit's checkpointing and transformers' would both wrap the same layers.
+
+    Args:
+        model: the model the policy is for.
+        policy: a policy string (:func:`parse`).
+    """
+    p = parse(policy)
+    if p.kind == "none":
+        return
+    _refuse_double_checkpointing(model, policy)
+    if p.kind != "modules":
+        return
+    paths = [name for name, _ in model.named_modules()]
+    classes = set().union(*(_class_names(m) for m in model.modules()))
+    missing = [
+        name
+        for name in p.names
+        if name not in classes and not any(path == name or path.endswith(f".{name}") for path in paths)
+    ]
+    if missing:
+        raise MemfitError(
+            f"checkpointing {policy}: {type(model).__name__} has no module of class or path {missing[0]!r}: "
+            "name a class or a path (model.named_modules()) of the model"
+        )
+
+
+def _refuse_double_checkpointing(model: nn.Module, policy: str) -> None:
+    """Refuse a policy on a model whose transformers gradient checkpointing is already on
+    (:func:`enable` checks it too: the modules are otherwise chosen at the first forward)."""
+    on = [
+        name or type(m).__name__ for name, m in model.named_modules() if getattr(m, "is_gradient_checkpointing", False)
+    ]
+    if on:
+        raise MemfitError(
+            f"checkpointing {policy}: {on[0]} already uses transformers' gradient checkpointing "
+            "(gradient_checkpointing_enable, or TrainingArguments(gradient_checkpointing=True)): keep one of the two "
+            "(memfit's blocks is transformers' own for a transformers model)"
+        )
+
+
+def saves_nothing(done: Checkpointed) -> str | None:
+    """Why what :func:`enable` chose saves no activation memory (None: it saves some, or is
+    not chosen yet): it checkpoints nothing; after a training step, none of its calls kept
+    anything for backward (a frozen part); or the module forward was called on as a whole
+    (backward then recomputes all of it at once, holding every activation again at its peak).
+
+    Args:
+        done: what :func:`enable` returned, after the model's first forward with gradients.
+    """
+    if not done.found or parse(done.policy).kind == "none":
+        return None
+    if not done.modules:
+        return f"checkpointing {done.policy} recomputes nothing in this model: it saves no memory"
+    if done.recomputing == 0 and not done.transformers:
+        return (
+            f"checkpointing {done.policy} recomputes nothing: {done.describe()} ran, but neither their inputs nor "
+            "their parameters require gradients (a frozen part keeps nothing for backward), so it saves no memory"
+        )
+    whole = [name for path, name in done.modules if path == ""]
+    if whole:
+        return (
+            f"checkpointing {done.policy} recomputes the whole {whole[0]} in backward at once: every activation is "
+            "held again at the peak, so it saves no memory (name its repeated blocks instead)"
+        )
+    return None
+
+
+def _without_kv_cache(model: nn.Module) -> Callable[[], None]:
+    """Turn off the key/value cache of every transformers model in ``model``; return the undo.
+
+    Why: a checkpointed layer's recompute would append its keys and values to the cache
+    forward filled, and attend over both (transformers' own checkpointing turns the cache
+    off in training for the same reason). The loss does not use the cache.
+    """
+    changed: dict[int, Any] = {}
+    for m in model.modules():
+        config: Any = getattr(m, "config", None)
+        if _is_transformers(m) and getattr(config, "use_cache", False) is True and id(config) not in changed:
+            changed[id(config)] = config
+            config.use_cache = False
+
+    def undo() -> None:
+        for kept in changed.values():
+            kept.use_cache = True
+
+    return undo
 
 
 def _join(prefix: str, path: str) -> str:
@@ -314,17 +427,28 @@ def class_name(module: nn.Module) -> str:
     return cls.__name__
 
 
-def _wrap(block: nn.Module, selective: bool) -> Callable[[], None]:
-    """Wrap ``block.forward`` in non-reentrant ``torch.utils.checkpoint``; return the undo."""
+def _wrap(block: nn.Module, selective: bool, done: Checkpointed) -> Callable[[], None]:
+    """Wrap ``block.forward`` in non-reentrant ``torch.utils.checkpoint``; return the undo.
+
+    A call where neither an input nor a parameter of the block requires gradients runs as
+    it is: autograd keeps nothing of it, so there is nothing to recompute (a frozen part).
+    """
     import torch
+    from torch.utils._pytree import tree_leaves
     from torch.utils.checkpoint import checkpoint
 
     original = block.forward
+    trainable = [p for p in block.parameters() if p.requires_grad]
 
     @functools.wraps(original)
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        if not any(p.requires_grad for p in trainable) and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))
+        ):
+            return original(*args, **kwargs)
+        done.recomputing += 1
         keeper = _BufferKeeper(block, selective)
         return checkpoint(original, *args, use_reentrant=False, context_fn=keeper.contexts, **kwargs)
 

@@ -38,7 +38,16 @@ def needs_estimated_trials(device: Device) -> bool:
 @dataclass
 class OffloadTrials:
     """Offload candidates' trials by the estimator, keeping what each found (its predicted
-    step on the simulated GPU's card, its host memory) for the plan's ranking and advice."""
+    step on the simulated GPU's card, its host memory) for the plan's ranking and advice.
+
+    Why the predicted step is not computed by every trial: it is a fake step of its own
+    (the unsharded step with its operations counted), as long as the memory's; a trial
+    that does not fit needs none, and a fitting one with accumulation needs the step of
+    its accumulation, not of one micro-batch. Only the first trial of each precision
+    predicts it (for the host parameter bytes the copies move); :meth:`predict` gives
+    each fitting candidate the same figure the estimator would
+    (:func:`memfit.estimator.offload.offload_step_time` with those bytes).
+    """
 
     #: settings -> (seconds per step, samples/s) predicted on ``card``
     speeds: dict[Settings, tuple[float, float]] = field(default_factory=dict)
@@ -62,7 +71,11 @@ class OffloadTrials:
 
         assert settings.micro_batch_size is not None
         one = settings.replace(accumulation_steps=1)
-        est = estimate(workload, settings.micro_batch_size, one, device=device, search=False)
+        # The predicted step (a fake step of its own) only until the precision's host parameter
+        # bytes are known: :meth:`predict` computes a fitting candidate's from them, for its own
+        # accumulation, and a candidate that does not fit needs none.
+        speed = settings.precision not in self.parameter_bytes
+        est = estimate(workload, settings.micro_batch_size, one, device=device, search=False, speed=speed)
         if est.host_memory is not None:
             self.host[settings] = est.host_memory
         self.reserved_by_setting[one] = dict(est.reserved_by_setting)

@@ -25,6 +25,11 @@ The search, cheapest evidence first:
    on a fake process group (:func:`memfit.estimator.rehearsal.rehearsal`): its
    memory on the device is the strategy's, exactly; its time leaves out communication.
 
+When nothing fits on the GPU alone (and the strategies were not given), the same splits are
+weighed under CPU offload (:mod:`memfit.search.offload_plan`), with the checkpointing modes
+dropped for saving nothing on the GPU alone weighed again: that check saw a step whose peak
+the optimizer's states may set, and offload moves those to the host.
+
 On a simulated GPU the trials run on fake tensors (:mod:`memfit.search.trials`), which
 makes step 2 redundant (the estimator's search is a series of the same fake runs), and
 the candidates they rank then run for real: those without a speed to rank by, and the
@@ -76,6 +81,7 @@ from memfit.errors import DoesNotFitError, MemfitError
 from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU
+from memfit.run.checkpointing import recompute_order
 from memfit.run.measure import Measurement
 from memfit.run.settings import PRECISIONS, Checkpointing, Precision, Settings
 from memfit.run.state import preserved_workload
@@ -217,7 +223,7 @@ def _offload_fallback(
         return None
     if any(shard in OFFLOAD_SHARDS for shard, _ in request.axis):
         return None
-    offload = replace(request, axis=offload_axis())
+    offload = replace(request, axis=offload_axis(), **_offload_checkpointing(request))
     trials = OffloadTrials(card=ledger.card)
     if on_device is not None and needs_estimated_trials(request.device):
         hooks = replace(hooks, predictor=None, run_trial=trials.trial, predict_speed=trials.predict)
@@ -226,6 +232,19 @@ def _offload_fallback(
     for group in offload.groups():
         _weigh_group(offload, hooks, ledger, group)
     return trials
+
+
+def _offload_checkpointing(request: PlanRequest) -> dict[str, Any]:
+    """The checkpointing modes the offload fallback weighs: those the plan dropped for saving
+    nothing on the GPU alone are weighed again. Why: that check compares the whole step's
+    peak on the GPU, which the optimizer step's states may set; under offload those states
+    live on the host and the activations checkpointing drops may be the GPU's peak. A mode
+    with no blocks that run stays dropped."""
+    again = tuple(mode for mode, why in request.dropped if why != "saves nothing (no blocks run)")
+    if not again:
+        return {}
+    modes = tuple(sorted(dict.fromkeys(request.checkpointing + again), key=recompute_order))
+    return {"checkpointing": modes, "dropped": tuple((m, why) for m, why in request.dropped if m not in again)}
 
 
 def plan(
