@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, cast
 import click
 
 from memfit._io import check_writable, check_writable_folder
-from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     OutputPath,
     card_device,
@@ -24,6 +23,7 @@ from memfit.cli.options import (
 )
 from memfit.memory.devices import device
 from memfit.reporting.pages import check_report_outputs
+from memfit.run.host_memory import check_host_memory
 from memfit.search.candidates import check_target
 from memfit.search.fit import fit
 from memfit.workload import load_workload

@@ -7,7 +7,6 @@ from typing import Any
 import click
 from rich.table import Table
 
-from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     alloc_conf_option,
     apply_alloc_conf,
@@ -23,6 +22,7 @@ from memfit.cli.options import (
 )
 from memfit.errors import MemfitError
 from memfit.memory.devices import device
+from memfit.run.host_memory import check_host_memory
 from memfit.run.measure import Measurement, measure
 from memfit.units import format_size
 from memfit.workload import load_workload

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, cast
 import click
 
 from memfit._io import check_writable
-from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     OutputPath,
     card_device,
@@ -24,6 +23,7 @@ from memfit.cli.options import (
 )
 from memfit.cli.tables import compact_table, short_rate, short_size, status_legend, status_word
 from memfit.memory.devices import device
+from memfit.run.host_memory import check_host_memory
 from memfit.search.candidates import Candidate, check_target
 from memfit.search.plan import Plan, plan
 from memfit.workload import load_workload

@@ -19,7 +19,6 @@ from rich.table import Table
 
 from memfit import distributed
 from memfit._io import check_writable
-from memfit.cli.host_memory import check_host_memory
 from memfit.cli.options import (
     OutputPath,
     console,
@@ -40,6 +39,7 @@ from memfit.distributed import process_group
 from memfit.errors import MemfitError
 from memfit.memory.devices import Device, rank_device
 from memfit.memory.devices import device as make_device
+from memfit.run.host_memory import check_host_memory
 from memfit.run.measure import Measurement
 from memfit.search.probe import ProbeResult, probe
 from memfit.search.probe import Progress as ProgressCallback
