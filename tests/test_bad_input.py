@@ -522,13 +522,28 @@ def test_plan_gpu_x_means_the_card_and_a_real_trial_that_would_exhaust_the_host_
 
 
 @pytest.mark.parametrize(
-    "command", [["measure", "--batch-size", "2"], ["probe"], ["plan", "--target-batch", "4"], ["fit"]]
+    "command",
+    [["measure", "--batch-size", "2"], ["probe"], ["plan", "--target-batch", "4", "--trials", "real"], ["fit"]],
 )
 def test_a_real_run_the_host_cannot_hold_is_refused_before_it_starts(run_cli, monkeypatch, tmp_path, command):
     with_host_memory(monkeypatch, 16 * 2**20)
     monkeypatch.chdir(tmp_path)
     args = [command[0], "mlp:layers=2,width=1024,features=1024", "--device", "sim:64MiB", *command[1:]]
     one_error_line(*run_cli(*args), "MiB of host memory (parameters", "more than the 16.00 MiB this machine has")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_plan_on_fake_trials_the_host_cannot_confirm_stands_and_says_so(run_cli, monkeypatch, tmp_path):
+    """Ranked by the card's predicted speed, a plan needs no real run: its answer is the fake trials', said so."""
+    with_host_memory(monkeypatch, 16 * 2**20)
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli(
+        "plan", "mlp:layers=2,width=1024,features=1024", "--device", "sim:256MiB", "--target-batch", "4"
+    )
+    assert status == 0, err
+    said = " ".join((out + err).split())
+    assert "the recommended candidate was not run for real" in said
+    assert "more than the 16.00 MiB this machine has available" in said
     assert list(tmp_path.iterdir()) == []
 
 

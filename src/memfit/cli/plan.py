@@ -23,7 +23,6 @@ from memfit.cli.options import (
 )
 from memfit.cli.tables import compact_table, short_rate, short_size, status_legend, status_word
 from memfit.memory.devices import device
-from memfit.run.host_memory import check_host_memory
 from memfit.search.candidates import Candidate, check_target
 from memfit.search.plan import Plan, plan
 from memfit.workload import load_workload
@@ -92,7 +91,6 @@ def command(
     wl = load_workload(workload)
     gpu = device(card_device(device_spec, speed_gpu), memory=memory)
     say = None if as_json else (lambda text: err_console.print(f"  {text}"))
-    check_host_memory(gpu, wl)  # before any trial builds the model for real
 
     def progress(c: Candidate) -> None:
         s = c.settings

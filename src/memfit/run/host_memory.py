@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from memfit.memory.devices import Device
     from memfit.workload import Workload
 
-__all__ = ["parameter_bytes", "host_bytes_needed", "host_fits", "check_host_memory"]
+__all__ = ["parameter_bytes", "host_bytes_needed", "host_fits", "check_host_memory", "host_refusal"]
 
 #: bytes per fp32 parameter on a host that holds the whole step: weights, gradients, AdamW's two states
 _STEP_BYTES_PER_PARAMETER_BYTE = 4
@@ -98,7 +98,16 @@ def check_host_memory(device: Device, workload: Workload) -> None:
     """
     fits, what = host_fits(device, workload)
     if not fits:
-        raise MemfitError(
-            f"{what}: use `memfit estimate` (fake tensors, nothing built), a smaller --device sim:SIZE, "
-            "or a machine with more memory"
-        )
+        raise host_refusal(what)
+
+
+def host_refusal(what: str) -> MemfitError:
+    """The one-line refusal of real steps the host cannot hold, and what to do instead.
+
+    Args:
+        what: the sentence of :func:`host_fits` saying how much they need.
+    """
+    return MemfitError(
+        f"{what}: use `memfit estimate` (fake tensors, nothing built), a smaller --device sim:SIZE, "
+        "or a machine with more memory"
+    )

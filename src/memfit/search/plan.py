@@ -82,6 +82,7 @@ from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU
 from memfit.run.checkpointing import recompute_order
+from memfit.run.host_memory import host_refusal
 from memfit.run.measure import Measurement
 from memfit.run.settings import PRECISIONS, Checkpointing, Precision, Settings
 from memfit.run.state import preserved_workload
@@ -119,6 +120,7 @@ from memfit.search.plan_trials import (
     speed_card,
     status_of,
     trial,
+    unranked_refusal,
 )
 from memfit.search.trials import TrialKind, Trials, choose_trials
 from memfit.workload import Workload, load_workload
@@ -403,6 +405,7 @@ def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
     given = hooks  # the caller's hooks: a re-plan on real trials starts from these, not the fake path's
     on_device, hooks = _trials_for(request, hooks, kind)
     ledger = _new_ledger(request)
+    _check_host(on_device, ledger)
     for group in request.groups():
         _weigh_group(request, hooks, ledger, group)
     ledger.offload = _offload_fallback(request, hooks, ledger, on_device)
@@ -422,6 +425,18 @@ def _plan(request: PlanRequest, hooks: PlanHooks, kind: TrialKind) -> Plan:
             return again
         ledger.trial_steps += confirmed
     return _result(request, ledger, measured, speed, on_device)
+
+
+def _check_host(on_device: Trials | None, ledger: _Ledger) -> None:
+    """Refuse, before any trial, a plan whose real runs the host cannot hold: real trials, or
+    fake ones whose candidates only a measured speed can rank. A plan on fake trials ranked by
+    a card's predicted speed goes on; its answer is then not confirmed for real, and says so."""
+    if on_device is None or on_device.host_shortfall is None:
+        return
+    if not on_device.fake:
+        raise host_refusal(on_device.host_shortfall)
+    if ledger.card is None:
+        raise unranked_refusal(on_device.host_shortfall)
 
 
 def _new_ledger(request: PlanRequest) -> _Ledger:

@@ -209,6 +209,18 @@ def status_of(measurement: Measurement | None, budget: int | None, failure: str 
     return "measured"
 
 
+def unranked_refusal(shortfall: str) -> MemfitError:
+    """The refusal of a plan that only real runs can rank, on a host that cannot hold one.
+
+    Args:
+        shortfall: :attr:`Trials.host_shortfall`, how much host memory real steps need.
+    """
+    return MemfitError(
+        f"{shortfall}, and only a real run can time the candidates: name a card with --gpu "
+        "(speed_gpu=) to rank them by predicted speed, or use a machine with more memory"
+    )
+
+
 def confirm_on_device(
     measured: list[Candidate], trials: Trials, request: PlanRequest, progress: Progress | None, speed: Speed
 ) -> int | None:
@@ -253,13 +265,24 @@ def confirm_on_device(
             progress(c)
         return True
 
-    for c in [c for c in measured if speed(c) is None and c.settings.shard not in OFFLOAD_SHARDS]:
+    unranked = [c for c in measured if speed(c) is None and c.settings.shard not in OFFLOAD_SHARDS]
+    if unranked and trials.host_shortfall is not None:
+        # Only a real run can rank them, and the host cannot hold one: refused, not guessed.
+        raise unranked_refusal(trials.host_shortfall)
+    for c in unranked:
         if not run_for_real(c):
             return None
     best = recommended_candidate(measured, speed)
     if best.settings.shard in OFFLOAD_SHARDS:
         # a simulated GPU cannot keep the host's memory apart: the estimator's trial stands
         trials.tell("the recommended CPU offload was not run for real: its memory is the estimator's (fake tensors)")
+        return steps
+    if best.measurement is not None and best.measurement.fake and trials.host_shortfall is not None:
+        # The fake trial's answer stands, said as such: a real run would exhaust the host.
+        trials.tell(
+            f"the recommended candidate was not run for real ({trials.host_shortfall}): "
+            "its memory is the estimator's (fake tensors)"
+        )
         return steps
     if best.measurement is not None and best.measurement.fake and not run_for_real(best):
         return None

@@ -36,6 +36,7 @@ from typing import Literal
 from memfit.errors import MemfitError
 from memfit.estimator.fake import run_fake_steps
 from memfit.memory.devices import Device, SimDevice
+from memfit.run.host_memory import host_fits, host_refusal
 from memfit.run.measure import Measurement, measure
 from memfit.run.settings import Settings
 from memfit.units import format_size
@@ -118,6 +119,16 @@ class Trials:
         self.note = note
         self._say = say
         self._fallen_back = not fake
+        self._host_shortfall: tuple[str | None] | None = None
+
+    @property
+    def host_shortfall(self) -> str | None:
+        """None when real steps fit in this host's available memory; else the sentence saying
+        how much they need (:func:`memfit.run.host_memory.host_fits`), and :meth:`real` refuses."""
+        if self._host_shortfall is None:
+            fits, what = host_fits(self.device, self.workload)
+            self._host_shortfall = (None if fits else what,)
+        return self._host_shortfall[0]
 
     @property
     def on_fake_tensors(self) -> bool:
@@ -147,7 +158,9 @@ class Trials:
             self._say(note)
 
     def real(self, batch_size: int, settings: Settings | None = None) -> Measurement:
-        """One trial of the real step on the device."""
+        """One trial of the real step on the device; refused in one line when the host cannot hold it."""
+        if self.host_shortfall is not None:
+            raise host_refusal(self.host_shortfall)
         return measure(self.workload, batch_size, self.device, settings or self.settings, steps=self.steps)
 
 
