@@ -8,7 +8,9 @@ with less, until the kernel's OOM killer ended it (and maybe other processes wit
 Before a command runs real steps, the bytes they need are weighed against what the host
 has available (``MemAvailable``, through the seam :func:`memfit.environment.system.current_probe`),
 and a command whose real steps would not fit is refused in one line before any is run
-(probe and plan confirm their answer with real steps whatever ``--trials`` says).
+(probe confirms its answer with real steps whatever ``--trials`` says). Plan
+asks through :attr:`memfit.search.trials.Trials.host_shortfall`: on fake trials ranked by a card's
+predicted speed it needs no real step, and its answer then says it was not confirmed for real.
 """
 
 from __future__ import annotations
