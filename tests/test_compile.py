@@ -129,3 +129,73 @@ def test_the_command_line_shows_it_in_json_and_text(tmp_path: Path, capsys: pyte
     assert main(["estimate", f"{path}:make", "--device", SIM, "--batch-size", "8"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "torch.compile: estimated as eager" in out
+
+
+# --- what a compiled forward keeps for backward (memfit.estimator.partitioner) ---------------
+
+
+class _Cosines(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cos().cos()
+
+
+class _GPTLayer(nn.Module):
+    """A Megatron-style GPT layer in fp16: LayerNorm, fused QKV, math attention with a causal
+    mask and dropout, projection, dropout, LayerNorm, 4h GeLU MLP, dropout."""
+
+    def __init__(self, h: int, heads: int, s: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.drop = nn.Dropout(0.1)
+        self.register_buffer("mask", torch.ones(s, s, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1) * (h // self.heads) ** -0.5).masked_fill(self.mask, float("-inf"))
+        y = (self.drop(scores.softmax(-1)) @ v).transpose(1, 2).reshape(b, s, h)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+
+def test_the_partitioner_recomputes_a_pointwise_chain_eager_autograd_saves() -> None:
+    from memfit.estimator.partitioner import saved_for_backward
+
+    def build() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        return _Cosines(), (torch.randn(1024, requires_grad=True),)
+
+    eager = saved_for_backward(build, compiled=False)
+    compiled = saved_for_backward(build, compiled=True)
+    assert (eager.bytes, eager.storages) == (2 * 4096, 2)  # x and cos(x)
+    assert (compiled.bytes, compiled.storages) == (4096, 1)  # x: cos(x) is recomputed in backward
+
+
+def test_a_gpt_layer_keeps_megatrons_count_eager_and_compiled() -> None:
+    """Korthikanti et al.'s 34sbh + 5as^2b bytes (16-bit activations, a 1-byte dropout mask)
+    plus LayerNorm's saved statistics (2 x 2 x sb fp16 values), eager under CUDA's
+    semantics; the min-cut partitioner keeps the same bytes for this layer (matmul outputs,
+    random masks and softmax are not recomputed)."""
+    from memfit.cuda.target import CudaTarget
+    from memfit.estimator.partitioner import saved_for_backward
+    from memfit.memory.gpus import lookup
+
+    s, b, h, a = 64, 2, 64, 4
+
+    def build() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float16)
+        try:
+            layer = _GPTLayer(h, a, s)
+        finally:
+            torch.set_default_dtype(before)
+        return layer, (torch.randn(b, s, h, dtype=torch.float16, requires_grad=True),)
+
+    card = lookup("A100 80GB SXM")
+    expected = 34 * s * b * h + 5 * a * s * s * b + 2 * 2 * s * b * 2
+    eager = saved_for_backward(build, compiled=False, cuda=CudaTarget(card.compute_capability, name=card.name))
+    assert eager.bytes == expected
+    assert saved_for_backward(build, compiled=False).bytes > expected  # the CPU's dropout keeps a 2-byte mask
+    assert saved_for_backward(build, compiled=True).bytes == expected

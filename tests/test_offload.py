@@ -4,19 +4,24 @@ memory on the host and the GPU, the predicted transfers, and plan's fallback."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 import memfit
 from memfit.cli import main
 from memfit.estimator.estimate import estimate
+from memfit.estimator.fake import run_fake_steps
 from memfit.estimator.offload import (
     HOST_OPTIMIZER_BANDWIDTH,
     OPTIMIZER_BYTES_PER_PARAMETER,
+    gpu_side,
     host_link_bandwidth,
     split_events,
     transfer_seconds,
 )
 from memfit.memory.gpus import lookup
 from memfit.memory.tracker import Labels
+from memfit.run.measure import measure
 from memfit.run.strategy import check_strategy, describe
 from memfit.search.plan import plan
 
@@ -38,6 +43,48 @@ def test_split_events_places_the_states_on_the_host() -> None:
     assert [event[1] for event in placed.gpu_events] == [2, 2]  # only the activation stays on the GPU
     assert placed.host_peak == 4096 + 4096 + 8192 + 100
     assert placed.host_parameters == 4096
+
+
+def _mlp_workload(optimizer: object) -> memfit.Workload:
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    return memfit.Workload(
+        model=model,
+        make_batch=lambda n: (torch.randn(n, 256), torch.randint(0, 10, (n,))),
+        loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+        optimizer=optimizer,
+    )
+
+
+def test_an_offloaded_optimizer_leaves_the_gpu_what_an_optimizer_without_state_holds() -> None:
+    """AdamW's state and step on the host (ZeRO-Offload, torchao's CPUOffloadOptimizer): the
+    GPU's side equals, to the byte, the simulated GPU's measurement of the same training
+    with an in-place SGD, which allocates nothing on the device."""
+    adamw = _mlp_workload(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    run = run_fake_steps(adamw, memfit.Settings(micro_batch_size=64))
+    events = run.events
+    sgd = measure(_mlp_workload(lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False)), 64, "sim:64MiB")
+    side = gpu_side(events, ("optimizer state",))
+    assert (side.peak_allocated, side.peak_reserved) == (sgd.peak_allocated, sgd.peak_reserved)
+    assert run.peak_allocated > side.peak_allocated  # AdamW's state counted on the GPU
+    states = 2 * sum(p.numel() * 4 for p in adamw.build_model().parameters())
+    assert side.host_peak >= states  # exp_avg and exp_avg_sq of every parameter
+
+
+def test_offloading_the_gradients_too_takes_them_off_the_gpu() -> None:
+    adamw = _mlp_workload(lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    events = run_fake_steps(adamw, memfit.Settings(micro_batch_size=64)).events
+    optimizer_only = gpu_side(events, ("optimizer state",))
+    with_gradients = gpu_side(events, ("optimizer state", "gradients"))
+    gradients = sum(p.numel() * 4 for p in adamw.build_model().parameters())
+    assert with_gradients.host_peak >= optimizer_only.host_peak + gradients
+    assert with_gradients.peak_allocated < optimizer_only.peak_allocated
+    # within a budget the replay is the caching allocator's verdict on the GPU's share alone
+    reserved = optimizer_only.peak_reserved
+    assert gpu_side(events, ("optimizer state",), budget=reserved).fits is True
+    assert gpu_side(events, ("optimizer state",), budget=reserved - 1).fits is False
 
 
 def test_transfer_time_by_the_host_link_and_host_bandwidth() -> None:

@@ -47,6 +47,8 @@ from memfit.workload import Workload
 
 __all__ = [
     "split_events",
+    "gpu_side",
+    "GpuSide",
     "OffloadRun",
     "offloaded",
     "offload_step_time",
@@ -91,11 +93,14 @@ class Placed:
     host_parameters: int
 
 
-def split_events(events: Sequence[Event]) -> Placed:
+def split_events(events: Sequence[Event], host: Sequence[str] = HOST_CATEGORIES) -> Placed:
     """The GPU's events and the host's peak of a step traced under ``shard="offload"``.
 
     Args:
         events: the trace's ``(kind, handle, nbytes, labels)`` events, in order.
+        host: the categories kept on the host besides the optimizer phase's allocations
+            (the default: ``CPUOffloadPolicy``'s; ``("optimizer state",)`` is an optimizer
+            offloaded as ZeRO-Offload or torchao's ``CPUOffloadOptimizer`` offload it).
     """
     born: dict[int, tuple[Labels, bool, int]] = {}
     died: dict[int, Labels] = {}
@@ -109,7 +114,7 @@ def split_events(events: Sequence[Event]) -> Placed:
     on_host = {
         handle
         for handle, (labels, early, _) in born.items()
-        if labels.phase == "optimizer" or classify(labels, died.get(handle), early) in HOST_CATEGORIES
+        if labels.phase == "optimizer" or classify(labels, died.get(handle), early) in host
     }
     host_parameters = sum(
         nbytes
@@ -154,6 +159,56 @@ def transfer_seconds(
 
 
 @dataclass
+class GpuSide:
+    """What the GPU holds of a placed trace (:func:`gpu_side`)."""
+
+    #: the GPU's events replayed up to where the budget ran out (all of them when it fits)
+    events: list[Event]
+    peak_allocated: int
+    peak_reserved: int
+    fits: bool
+    #: the most bytes the host holds at once
+    host_peak: int
+    host_parameters: int
+
+
+def gpu_side(events: Sequence[Event], host: Sequence[str] = HOST_CATEGORIES, budget: int | None = None) -> GpuSide:
+    """The GPU's peaks when the allocations of ``host``'s categories and of the optimizer
+    phase are kept on the host (:func:`split_events`), the rest replayed through the
+    allocator model within ``budget``.
+
+    Args:
+        events: a step's ``(kind, handle, nbytes, labels)`` events, traced with every
+            tensor on the GPU.
+        host: the categories on the host (see :func:`split_events`).
+        budget: the bytes the GPU's allocator may reserve (None: unbounded).
+    """
+    placed = split_events(events, host)
+    allocator = CachingAllocatorModel(budget=budget)
+    handles: dict[int, int] = {}
+    fits, kept = True, []
+    try:
+        for event in placed.gpu_events:
+            kind, handle, nbytes, _ = event
+            if kind == "alloc":
+                handles[handle] = allocator.malloc(nbytes)
+            else:
+                allocator.free(handles.pop(handle))
+            kept.append(event)
+    except AllocationFailed:
+        fits = False  # the events stop there, as a budgeted run's do
+    stats = allocator.stats()
+    return GpuSide(
+        kept,
+        stats["allocated_bytes.all.peak"],
+        stats["reserved_bytes.all.peak"],
+        fits,
+        placed.host_peak,
+        placed.host_parameters,
+    )
+
+
+@dataclass
 class OffloadRun(FakeRun):
     """A fake run's GPU side under CPU offload, with what the host holds."""
 
@@ -182,30 +237,16 @@ def offloaded(run: Runner) -> Runner:
             last.clear()  # one trace held at a time: a 7B step's events are not small
             whole = run(settings, None, count_ops)
             last.append(((settings, count_ops), whole))
-        placed = split_events(whole.events)
-        allocator = CachingAllocatorModel(budget=budget)
-        handles: dict[int, int] = {}
-        fits, kept = True, []
-        try:
-            for event in placed.gpu_events:
-                kind, handle, nbytes, _ = event
-                if kind == "alloc":
-                    handles[handle] = allocator.malloc(nbytes)
-                else:
-                    allocator.free(handles.pop(handle))
-                kept.append(event)
-        except AllocationFailed:
-            fits = False  # the events stop there, as a budgeted run's do
-        stats = allocator.stats()
+        side = gpu_side(whole.events, HOST_CATEGORIES, budget)
         return OffloadRun(
-            events=kept,
-            peak_allocated=stats["allocated_bytes.all.peak"],
-            peak_reserved=stats["reserved_bytes.all.peak"],
-            fits=fits,
+            events=side.events,
+            peak_allocated=side.peak_allocated,
+            peak_reserved=side.peak_reserved,
+            fits=side.fits,
             ops=whole.ops,
             rank=whole.rank,
-            host_peak=placed.host_peak,
-            host_parameters=placed.host_parameters,
+            host_peak=side.host_peak,
+            host_parameters=side.host_parameters,
         )
 
     return runner
