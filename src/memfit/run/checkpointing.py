@@ -53,7 +53,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from memfit.errors import MemfitError
 
@@ -217,8 +217,7 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
     # before transformers' own enable, which turns the cache off for good: the undo puts it back
     done._undo.append(_without_kv_cache(model))
     if p.kind == "blocks" and _is_transformers(model):
-        hf: Any = model
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        disable = _transformers_enable(model)
         # the layers that recompute (the model itself carries the flag too)
         done.modules = [
             (n, type(m).__name__)
@@ -226,7 +225,7 @@ def enable(model: nn.Module, policy: str) -> Checkpointed:
             if getattr(m, "gradient_checkpointing", False) is True and not _is_transformers(m)
         ]
         done.found = done.transformers = True
-        done._undo.append(hf.gradient_checkpointing_disable)
+        done._undo.append(disable)
         return done
 
     paths = {id(m): name for name, m in model.named_modules()}
@@ -308,9 +307,7 @@ def check_model(model: nn.Module, policy: str) -> None:
 def _refuse_double_checkpointing(model: nn.Module, policy: str) -> None:
     """Refuse a policy on a model whose transformers gradient checkpointing is already on
     (:func:`enable` checks it too: the modules are otherwise chosen at the first forward)."""
-    on = [
-        name or type(m).__name__ for name, m in model.named_modules() if getattr(m, "is_gradient_checkpointing", False)
-    ]
+    on = [name or type(m).__name__ for name, m in model.named_modules() if _transformers_checkpointing(m)]
     if on:
         raise MemfitError(
             f"checkpointing {policy}: {on[0]} already uses transformers' gradient checkpointing "
@@ -369,6 +366,30 @@ def _without_kv_cache(model: nn.Module) -> Callable[[], None]:
 
 def _join(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _transformers_enable(model: nn.Module) -> Callable[[], None]:
+    """Turn on a transformers model's own checkpointing (non-reentrant); return what turns it off.
+
+    transformers 5 names it ``activation_checkpointing_enable`` and warns on the older
+    ``gradient_checkpointing_enable``; the older name serves the versions before it.
+    """
+    hf: Any = model
+    if hasattr(hf, "activation_checkpointing_enable"):
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return cast("Callable[[], None]", hf.activation_checkpointing_disable)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return cast("Callable[[], None]", hf.gradient_checkpointing_disable)
+
+
+def _transformers_checkpointing(module: nn.Module) -> bool:
+    """Whether transformers' own checkpointing is on for ``module`` (read by the name its version has)."""
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(module), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    return bool(getattr(module, name, False))
 
 
 def _is_transformers(model: nn.Module) -> bool:
