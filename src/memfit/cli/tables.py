@@ -17,7 +17,8 @@ __all__ = ["compact_table", "short_rate", "short_size", "STATUS_WORDS", "status_
 
 def compact_table(title: str | None = None) -> Table:
     """A table without vertical rules and with one space between columns."""
-    return Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), title_justify="left")
+    # one space between columns, none at the edges: ten columns of a plan fit 80 with room to spare
+    return Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, title_justify="left")
 
 
 def short_rate(value: float | None) -> str:
