@@ -903,9 +903,8 @@ def all_cases(seed: int) -> list[Case]:
 
 def _child(case: Case, folder: Path) -> None:
     """In the forked child: run the command as the ``memfit`` entry point would, then exit."""
-    from memfit.__main__ import install_handlers
     from memfit.cli import aborted, ignore_signals, main
-    from memfit.errors import Terminated
+    from memfit.errors import Terminated, install_handlers
 
     status = 1
     try:

@@ -329,8 +329,7 @@ def test_a_sigint_the_process_was_started_ignoring_stays_ignored(tmp_path):
 
 
 def test_the_command_s_handlers_are_memfit_s_and_an_ignored_sigint_stays_ignored():
-    from memfit.__main__ import install_handlers
-    from memfit.errors import interrupt
+    from memfit.errors import install_handlers, interrupt
 
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -342,3 +341,19 @@ def test_the_command_s_handlers_are_memfit_s_and_an_ignored_sigint_stays_ignored
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_what_comes_before_the_handlers_imports_next_to_nothing():
+    """memfit/__init__.py and memfit/__main__.py are imported before run() installs the handlers:
+    a SIGINT there is Python's traceback, so they import only signal and memfit.errors."""
+    code = (
+        "import sys; before = set(sys.modules); import memfit.__main__; "
+        "print(' '.join(sorted(set(sys.modules) - before)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", code], env={**os.environ, "PYTHONPATH": SOURCE}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    memfit_modules = {name for name in done.stdout.split() if name.startswith("memfit")}
+    assert memfit_modules == {"memfit", "memfit.__main__", "memfit.errors"}
+    assert not {"typing", "importlib.metadata", "click", "torch", "threading", "inspect"} & set(done.stdout.split())

@@ -10,30 +10,17 @@ process without a word) and SIGINT raises KeyboardInterrupt, both through
 before memfit, click or torch is imported; an interrupt at any later moment, an import
 included, ends with ``memfit: aborted`` and 130 (143 after SIGTERM). Once the outcome is
 known, further signals are ignored, so the line and the status printed stay the ones of
-the first. A SIGINT the process was started ignoring (a background job of a shell without
-job control, ``nohup``-style launchers) stays ignored, as Python itself leaves it.
+the first. A SIGINT the process was started ignoring (``memfit ... &`` in a script: a
+background job of a shell without job control) stays ignored, as Python itself leaves it.
 
-Only ``signal`` and ``memfit.errors`` (which imports nothing heavier) come before the
-handlers, and ``memfit/__init__.py`` imports nothing at all: that is the whole window.
+Before the handlers come only Python's own start-up (``site``), the script's wrapper,
+``memfit/__init__.py`` (which imports nothing), ``signal`` and ``memfit.errors``.
 """
 
 import signal
 import sys
 
-from memfit.errors import Terminated, interrupt
-
-
-def install_handlers() -> None:
-    """SIGINT and SIGTERM raise through :func:`memfit.errors.interrupt` (a SIGINT already ignored stays so).
-
-    The first thing :func:`run` does; a harness that starts commands in-process calls it too.
-    """
-    try:
-        signal.signal(signal.SIGTERM, interrupt)
-        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            signal.signal(signal.SIGINT, interrupt)
-    except ValueError:  # not the main thread: only the main thread has signals
-        pass
+from memfit.errors import Terminated, install_handlers
 
 
 def run() -> None:

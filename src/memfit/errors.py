@@ -20,7 +20,10 @@ import signal
 import sys
 import time
 from types import CodeType, FrameType
-from typing import Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: this module comes before the handlers
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "MemfitError",
@@ -30,6 +33,7 @@ __all__ = [
     "RankTimeoutError",
     "Terminated",
     "interrupt",
+    "install_handlers",
     "interrupted_by",
     "register_workload_source",
     "workload_code_of",
@@ -112,6 +116,21 @@ def interrupt(signum: int, frame: FrameType | None) -> None:
         return
     _stop_waiting(frame)
     raise _interrupt_of(signum)
+
+
+def install_handlers() -> None:
+    """SIGINT and SIGTERM raise through :func:`interrupt` from now on (a SIGINT already ignored stays so).
+
+    The first thing the ``memfit`` command does (``memfit.__main__.run``); a harness that
+    starts commands in-process calls it too. Only the main thread has signals: elsewhere
+    this does nothing.
+    """
+    try:
+        signal.signal(signal.SIGTERM, interrupt)
+        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            signal.signal(signal.SIGINT, interrupt)
+    except ValueError:  # not the main thread
+        pass
 
 
 def _interrupt_of(signum: int) -> BaseException:
@@ -214,7 +233,7 @@ def _raise_at_a_safe_call(signum: int, frame: FrameType, deadline: float) -> boo
     if sys.gettrace() is not None:
         return _send_again(signum)
 
-    def trace(here: FrameType, event: str, _arg: object) -> Any:
+    def trace(here: FrameType, event: str, _arg: Any) -> Any:
         if not _waiting or event != "call":
             return trace if _waiting else None
         late = time.monotonic() >= deadline

@@ -33,7 +33,7 @@ from typing import Any
 import click
 
 from memfit._version import __version__
-from memfit.errors import MemfitError, Terminated, interrupt, interrupted_by, workload_code_of
+from memfit.errors import MemfitError, Terminated, install_handlers, interrupt, interrupted_by, workload_code_of
 
 __all__ = [
     "main",
@@ -311,5 +311,12 @@ def exit_with(status: int) -> None:
 
 def entry_point() -> None:
     """An older ``memfit`` script's entry (the command is now :func:`memfit.__main__.run`, whose
-    handlers are in place before any import); without torchrun's process group."""
-    exit_with(main(final=True))
+    handlers are in place before any import); without torchrun's process group. Its handlers
+    come once this package is imported, then as :func:`memfit.__main__.run`'s do."""
+    try:
+        install_handlers()
+        status = main(final=True)
+    except (KeyboardInterrupt, Terminated) as interrupted:  # before the command's own handling
+        ignore_signals()
+        status = aborted(type(interrupted))
+    exit_with(status)
