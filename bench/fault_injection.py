@@ -1229,7 +1229,12 @@ def main() -> int:
             f"{summary_table(outcomes)}\n\n"
             f"Interrupts: {notes.get('interrupted', 0)} interrupted mid-command, "
             f"{notes.get('finished before the signal', 0)} finished before their signal arrived "
-            "(their files checked all the same). Cases ran in forked children of one warm process "
+            "(their files checked all the same); moments from 0 ms after the start (the fork) on, "
+            f"{sum(o.case.group == 'interrupts' and o.case.argv[0] == 'estimate' for o in outcomes)} of them "
+            "in `estimate`, whose fake steps run in Python that torch's C++ calls back. Cases ran in "
+            "forked children of one warm process, each started as the `memfit` command is once its first "
+            "line has run: SIGINT and SIGTERM blocked across the fork until `errors.install_handlers` "
+            "ran (what comes before that line in a real process: docs/design.md, Signals) "
             f"({minutes:.1f} min on {os.cpu_count()} CPUs, Python {platform.python_version()}, "
             f"torch {torch.__version__}); the distributed ones as real `python -m memfit` ranks.\n"
         )

@@ -107,7 +107,11 @@ def interrupt(signum: int, frame: FrameType | None) -> None:
         signum: the signal.
         frame: the frame it interrupted (None: called directly, so raised at once).
     """
-    deadline = _first_seen.setdefault(signum, time.monotonic()) + INTERRUPT_WAIT
+    now = time.monotonic()
+    first = _first_seen.get(signum)
+    if first is None or (not _waiting and now - first > 2 * INTERRUPT_WAIT):  # a new signal, not one sent again
+        first = _first_seen[signum] = now
+    deadline = first + INTERRUPT_WAIT
     if (
         frame is not None
         and _unsafe_moment(frame, deadline)
