@@ -61,6 +61,7 @@ EXPECT = ("error", "user-code", "interrupt", "ok", "rank-error")
 TINY = "mlp:layers=1,width=16,features=8"
 GPT = "gpt2:n_layer=1,n_embd=32,n_head=2,seq_len=16,vocab_size=128"
 PNG_END = b"IEND\xaeB`\x82"
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass
@@ -680,6 +681,8 @@ def option_cases() -> list[Case]:
         (["plan", TINY, "--target-batch", "8", "--reference-batch", "0"], "--reference-batch"),
         (["estimate", TINY, "--shard", "zero9"], "zero9"),
         (["estimate", TINY, "--gpu", "Voodoo 5 6000"], ""),
+        (["probe", TINY, "--gpu", "Voodoo 5 6000"], "Voodoo 5 6000"),
+        (["plan", TINY, "--target-batch", "8", "--gpu", "Voodoo 5 6000"], "Voodoo 5 6000"),
         (["estimate", TINY, "--fixed-costs", "lots"], "invalid size 'lots'"),
         (["estimate", TINY, "--memory", "-5GiB"], ""),
         (["doctor", "--workers", "-1"], "--workers"),
@@ -900,10 +903,12 @@ def all_cases(seed: int) -> list[Case]:
 
 def _child(case: Case, folder: Path) -> None:
     """In the forked child: run the command as the ``memfit`` entry point would, then exit."""
-    from memfit.cli import main
+    from memfit.cli import aborted, ignore_signals, main
+    from memfit.errors import Terminated, install_handlers
 
     status = 1
     try:
+        install_handlers()  # signals are still blocked (run_forked): the process is at run()'s first line
         os.chdir(folder)
         os.environ.update(case.env)
         out = os.open(folder.parent / f"{folder.name}.out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -912,7 +917,12 @@ def _child(case: Case, folder: Path) -> None:
         os.dup2(err, 2)
         if case.inject is not None:
             case.inject()
-        status = main(case.argv)
+        try:  # as run() runs the command: final, so a later signal cannot change the outcome
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)  # one that came meanwhile lands here
+            status = main(case.argv, final=True)
+        except (KeyboardInterrupt, Terminated) as interrupted:
+            ignore_signals()
+            status = aborted(type(interrupted))
     except SystemExit as done:
         status = done.code if isinstance(done.code, int) else 1
     except BaseException:  # noqa: BLE001 - as the interpreter would: a traceback, exit status 1
@@ -1033,9 +1043,14 @@ def run_forked(case: Case, folder: Path) -> Outcome:
         case.setup(folder)
     before = set(_left_files(folder))
     started = time.monotonic()
+    # the child starts with SIGINT and SIGTERM blocked and unblocks them once it has the handlers
+    # of the `memfit` command (memfit.__main__.install_handlers): a signal 1 ms after the fork is
+    # then the command's, as it is for a process that has reached run()'s first line
+    signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         _child(case, folder)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)
     status: int | None = None
     signalled = False
     while True:
@@ -1214,7 +1229,12 @@ def main() -> int:
             f"{summary_table(outcomes)}\n\n"
             f"Interrupts: {notes.get('interrupted', 0)} interrupted mid-command, "
             f"{notes.get('finished before the signal', 0)} finished before their signal arrived "
-            "(their files checked all the same). Cases ran in forked children of one warm process "
+            "(their files checked all the same); moments from 0 ms after the start (the fork) on, "
+            f"{sum(o.case.group == 'interrupts' and o.case.argv[0] == 'estimate' for o in outcomes)} of them "
+            "in `estimate`, whose fake steps run in Python that torch's C++ calls back. Cases ran in "
+            "forked children of one warm process, each started as the `memfit` command is once its first "
+            "line has run: SIGINT and SIGTERM blocked across the fork until `errors.install_handlers` "
+            "ran (what comes before that line in a real process: docs/design.md, Signals) "
             f"({minutes:.1f} min on {os.cpu_count()} CPUs, Python {platform.python_version()}, "
             f"torch {torch.__version__}); the distributed ones as real `python -m memfit` ranks.\n"
         )

@@ -530,6 +530,7 @@ def environment_cases() -> list[Case]:
         ),
         ("fit llama-7b --gpu 'RTX 4090'", ["fit", "llama-7b:seq_len=512", "--gpu", "RTX 4090", "--no-doctor"], 2**30),
         ("probe llama-1b on sim:RTX 4090", ["probe", "llama-1b", "--device", "sim:RTX 4090"], 2**30),
+        ("probe llama-7b --gpu 'RTX 4090'", ["probe", "llama-7b:seq_len=512", "--gpu", "RTX 4090"], 2**30),
         (
             "measure a 1 GiB model",
             ["measure", "mlp:layers=4,width=8192,features=8192", "--device", "cpu", "--batch-size", "1"],
@@ -542,7 +543,15 @@ def environment_cases() -> list[Case]:
         ),
     ]
     cases += [
-        Case("host memory", name, argv, inject=_small_host(available), message="of host memory", timeout=60)
+        Case(
+            "host memory",
+            name,
+            argv,
+            inject=_small_host(available),
+            message="of host memory",
+            timeout=60,
+            quick=name == "probe llama-7b --gpu 'RTX 4090'",
+        )
         for name, argv, available in host
     ]
     return cases
@@ -593,7 +602,7 @@ def more_interrupt_cases(seed: int) -> list[Case]:
     chance = random.Random(seed + 21)
     argv = ["estimate", GPT, "--device", "sim:64MiB"]
     cases = []
-    for moment in range(24):
+    for moment in range(36):
         sig = signal.SIGINT if moment % 3 else signal.SIGTERM
         delay = round(chance.uniform(0.0, 3.0), 3)
         cases.append(
@@ -604,6 +613,22 @@ def more_interrupt_cases(seed: int) -> list[Case]:
                 expect="interrupt",
                 signal=sig,
                 delay=delay,
+            )
+        )
+    # the first milliseconds after the fork (the handlers of run()'s first line are in place, the
+    # command's own not yet) and the fake steps, where torch's C++ calls memfit and torch back
+    for moment, (sig, delay) in enumerate(
+        (s, d) for d in (0.0, 0.001, 0.004, 0.02) for s in (signal.SIGINT, signal.SIGTERM)
+    ):
+        cases.append(
+            Case(
+                "interrupts",
+                f"estimate: {signal.Signals(sig).name} after {delay} s (at the start)",
+                argv,
+                expect="interrupt",
+                signal=sig,
+                delay=delay,
+                quick=moment in (1, 2),
             )
         )
     return cases

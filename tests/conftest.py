@@ -22,6 +22,21 @@ if os.environ.get("PYTHONPATH"):
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT is Python's (KeyboardInterrupt) in the suite, even where the run was started ignoring it.
+
+    Why: the interrupt tests send SIGINT to this process and to the ``memfit`` processes it
+    starts, as Ctrl-C reaches a command in the foreground. A suite started as a background
+    job of a shell without job control (``./dev test &`` in a script, a runner that starts
+    it so) inherits SIGINT ignored (POSIX), and so would every child, and ``memfit`` keeps an
+    ignored SIGINT ignored, as Python does: those tests then failed only in such runs (issue 21).
+    """
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip every test marked ``cuda`` on a machine without a CUDA GPU (the real path is bench/'s)."""
     import torch
@@ -134,14 +149,9 @@ def torchrun_env() -> Callable[..., list[dict[str, str]]]:
 def _signal_handlers_restored() -> Iterator[None]:
     """Each test ends with the SIGINT and SIGTERM handlers it started with, installed again.
 
-    Why installed again, not only compared: the interrupt tests send signals to this very
-    process and expect Python's handling. In the whole suite some earlier test leaves the
-    process so that a SIGINT sent to itself raises no KeyboardInterrupt although
-    ``signal.getsignal`` still shows Python's handler (a C library replacing the handler
-    underneath Python's view: not identified yet). ``signal.signal`` puts Python's C-level
-    handler back, which keeps the files before test_interrupts from disturbing it; in the whole
-    suite the three in-process interrupt tests still fail (marked xfail there, issue 21). A test that leaves another Python-level handler is named in
-    $MEMFIT_SIGNAL_LOG when that is set.
+    Why: some tests run memfit's entry points in this process (``final=True`` ignores both
+    signals once a command has its outcome); the interrupt tests after them expect Python's
+    handling. A test that leaves another handler is named in $MEMFIT_SIGNAL_LOG when that is set.
     """
     import signal
 

@@ -80,6 +80,10 @@ def test_the_script_has_more_than_400_cases_covering_every_command_and_class():
         "a folder where the snapshot goes",
         "report -o: a folder where the viewer goes",
         "plan llama-7b --gpu 'RTX 4090'",
+        "probe llama-7b --gpu 'RTX 4090'",  # probe's --gpu means the card too
+        "--gpu Voodoo 5 6000",
+        "SIGTERM after 0.0 s (at the start)",  # a signal 0 ms after the fork
+        "SIGINT after 0.001 s (at the start)",
         "negative capacity",
     ):
         assert example in names, example

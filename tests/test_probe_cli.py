@@ -85,3 +85,42 @@ def test_bad_input_is_a_one_line_error(run_cli, args: list[str], message: str, t
     assert status == 2
     assert err.startswith("memfit: error: ") and message in err
     assert not list(tmp_path.iterdir())
+
+
+# -- --gpu X: the card X, its memory and its speed, as in plan, fit and estimate (issue 21) ----------
+
+
+def test_gpu_x_means_the_card_x_as_in_plan_and_estimate(run_cli) -> None:
+    status, out, err = run_cli("probe", FAST, "--gpu", "T4", "--max-batch-size", "4", "--json")
+    assert status == 0, err
+    probed = json.loads(out)
+    assert probed["device"] == "sim:T4" and probed["capacity"] == memfit.device("sim:T4").capacity
+    status, out, err = run_cli("plan", FAST, "--gpu", "T4", "--target-batch", "4", "--json")
+    assert status == 0, err
+    assert (json.loads(out)["device"], json.loads(out)["capacity"]) == ("sim:T4", probed["capacity"])
+    status, out, err = run_cli("estimate", FAST, "--gpu", "T4", "--batch-size", "4", "--json")
+    assert status == 0, err
+    estimated = json.loads(out)  # the card's memory less what the allocator never sees: the sim card's capacity
+    assert estimated["memory"] - sum(estimated["fixed_costs"].values()) == probed["capacity"]
+
+
+def test_gpu_x_with_a_device_probes_that_device_and_charts_the_card_s_speed(run_cli, tmp_path: Path) -> None:
+    target = tmp_path / "probe.png"
+    args = ["--device", "sim:4MiB", "--gpu", "T4", "--max-batch-size", "4", "--plot", str(target), "--json"]
+    status, out, err = run_cli("probe", FAST, *args)
+    assert status == 0, err
+    data = json.loads(out)
+    assert (data["device"], data["capacity"]) == ("sim:4MiB", 4 * 2**20)
+    from memfit.search.probe_speeds import with_predicted_speeds
+
+    wl, settings, sim = memfit.load_workload(FAST), memfit.Settings(), memfit.device("sim:4MiB")
+    on_t4 = with_predicted_speeds(data, wl, settings, sim, "T4")
+    assert on_t4["speed_gpu"] == "T4" and on_t4 != with_predicted_speeds(data, wl, settings, sim)
+    assert target.read_bytes() == probe_png(on_t4)
+
+
+def test_gpu_x_not_in_the_table_is_one_line(run_cli) -> None:
+    status, out, err = run_cli("probe", FAST, "--gpu", "rtx3090x", "--json")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert (status, out, len(lines)) == (2, "", 1) and lines[0].startswith("memfit: error: ")
+    assert "rtx3090x" in lines[0]

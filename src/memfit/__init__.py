@@ -11,13 +11,14 @@ True
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-from memfit._version import __version__
+# Nothing is imported here, not even typing: the ``memfit`` command imports this package
+# before its signal handlers are in place (memfit/__main__.py), so this module is that
+# window; ``__version__`` (importlib.metadata, tens of milliseconds) comes on first use too.
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (type checkers read it as True)
 
 #: public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
+    "__version__": "memfit._version",
     # errors and sizes
     "MemfitError": "memfit.errors",
     "DoesNotFitError": "memfit.errors",
@@ -86,10 +87,12 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    import importlib
+
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later look-ups skip this function
     return value
@@ -100,6 +103,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
+    from memfit._version import __version__
     from memfit.environment.doctor import diagnose
     from memfit.environment.envfile import check_environment, export_environment
     from memfit.errors import DoesNotFitError, MemfitError

@@ -28,13 +28,12 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from types import FrameType
 from typing import Any
 
 import click
 
 from memfit._version import __version__
-from memfit.errors import MemfitError, Terminated, interrupted_by, workload_code_of
+from memfit.errors import MemfitError, Terminated, install_handlers, interrupt, interrupted_by, workload_code_of
 
 __all__ = [
     "main",
@@ -97,19 +96,21 @@ def cli(verbose: bool) -> None:
 
 @contextlib.contextmanager
 def sigterm_ends_like_sigint() -> Iterator[None]:
-    """While the block runs, SIGTERM raises :class:`Terminated` (only the main thread has signals)."""
+    """While the block runs, SIGTERM raises :class:`Terminated`, and SIGINT (where Python's own
+    handler has it) KeyboardInterrupt, both at a safe moment (:func:`memfit.errors.interrupt`);
+    only the main thread has signals. A SIGINT handler of the caller's own, or SIG_IGN, is kept.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def stop(_signum: int, _frame: FrameType | None) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -310,5 +311,12 @@ def exit_with(status: int) -> None:
 
 def entry_point() -> None:
     """An older ``memfit`` script's entry (the command is now :func:`memfit.__main__.run`, whose
-    handlers are in place before any import); without torchrun's process group."""
-    exit_with(main(final=True))
+    handlers are in place before any import); without torchrun's process group. Its handlers
+    come once this package is imported, then as :func:`memfit.__main__.run`'s do."""
+    try:
+        install_handlers()
+        status = main(final=True)
+    except (KeyboardInterrupt, Terminated) as interrupted:  # before the command's own handling
+        ignore_signals()
+        status = aborted(type(interrupted))
+    exit_with(status)

@@ -10,6 +10,7 @@ from memfit._io import check_writable, check_writable_folder
 from memfit.cli.options import (
     OutputPath,
     card_device,
+    card_option,
     console,
     device_options,
     err_console,
@@ -69,13 +70,7 @@ if TYPE_CHECKING:
     help="Where to write report.html and its figures.",
 )
 @click.option("--no-doctor", is_flag=True, help="Skip the environment checks.")
-@click.option(
-    "--gpu",
-    "speed_gpu",
-    default=None,
-    metavar="NAME",
-    help="Plan for this GPU of the table: its memory (sim:NAME, unless --device is given) and its predicted speed.",
-)
+@card_option("Plan for")
 @trials_option
 @json_option
 def command(
@@ -93,12 +88,12 @@ def command(
     lock_path: str,
     report_dir: str,
     no_doctor: bool,
-    speed_gpu: str | None,
+    card: str | None,
     trials: str,
     as_json: bool,
 ) -> None:
     """Find what fits and the fastest settings for WORKLOAD; write memfit.lock and a report."""
-    gpu = device(card_device(device_spec, speed_gpu), memory=memory)
+    gpu = device(card_device(device_spec, card), memory=memory)
     say = None if as_json else (lambda text: err_console.print(f"[dim]memfit fit ·[/dim] {text}"))
     if target is not None:
         check_target(target, world_size)  # before the workload is loaded
@@ -121,7 +116,7 @@ def command(
         report_dir=report_dir,
         run_doctor=not no_doctor,
         say=say,
-        speed_gpu=speed_gpu,
+        speed_gpu=card,
         trials=cast("TrialKind", trials),
     )
     if as_json:

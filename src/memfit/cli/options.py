@@ -132,6 +132,24 @@ def card_device(device_spec: str, card: str | None) -> str:
     return f"sim:{card}" if card and not given else device_spec
 
 
+def card_option(what: str) -> Callable[[F], F]:
+    """``--gpu NAME`` (the parameter ``card``): a GPU of the table, its memory and its speed.
+
+    One option for every command that runs on a card it names (plan, fit, probe), read by
+    :func:`card_device`, so ``--gpu X`` means the same card X in each.
+
+    Args:
+        what: what the command does on that card, the help's first words ("Plan for").
+    """
+    return click.option(
+        "--gpu",
+        "card",
+        default=None,
+        metavar="NAME",
+        help=f"{what} this GPU of the table: its memory (sim:NAME, unless --device is given) and its predicted speed.",
+    )
+
+
 def workload_argument(function: F) -> F:
     """WORKLOAD: a zoo name with options, file.py:function or module:function."""
     from memfit.workload.zoo import DEFAULT_WORKLOAD

@@ -10,6 +10,7 @@ from memfit._io import check_writable
 from memfit.cli.options import (
     OutputPath,
     card_device,
+    card_option,
     console,
     device_options,
     err_console,
@@ -53,13 +54,7 @@ if TYPE_CHECKING:
     help="The batch your learning rate was tuned for (for scaling advice).",
 )
 @click.option("--plot", type=OutputPath(dir_okay=False), default=None, help="Write a PNG of memory against speed.")
-@click.option(
-    "--gpu",
-    "speed_gpu",
-    default=None,
-    metavar="NAME",
-    help="Plan for this GPU of the table: its memory (sim:NAME, unless --device is given) and its predicted speed.",
-)
+@card_option("Plan for")
 @trials_option
 @json_option
 def command(
@@ -75,7 +70,7 @@ def command(
     headroom: float,
     reference_batch: int | None,
     plot: str | None,
-    speed_gpu: str | None,
+    card: str | None,
     trials: str,
     as_json: bool,
 ) -> None:
@@ -89,7 +84,7 @@ def command(
     if plot:
         check_writable(plot, "--plot")  # before the candidates run, not after them
     wl = load_workload(workload)
-    gpu = device(card_device(device_spec, speed_gpu), memory=memory)
+    gpu = device(card_device(device_spec, card), memory=memory)
     say = None if as_json else (lambda text: err_console.print(f"  {text}"))
 
     def progress(c: Candidate) -> None:
@@ -112,7 +107,7 @@ def command(
         reference_batch_size=reference_batch,
         headroom=headroom,
         progress=None if as_json else progress,
-        speed_gpu=speed_gpu,
+        speed_gpu=card,
         trials=cast("TrialKind", trials),
         say=say,
     )

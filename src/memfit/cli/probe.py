@@ -21,6 +21,8 @@ from memfit import distributed
 from memfit._io import check_writable
 from memfit.cli.options import (
     OutputPath,
+    card_device,
+    card_option,
     console,
     device_options,
     err_console,
@@ -89,6 +91,7 @@ EXPECTED_TRIALS = 10
     metavar="FILE.png",
     help="Draw memory and samples/s against batch size.",
 )
+@card_option("Probe on")
 @json_option
 def command(
     workload: str,
@@ -108,6 +111,7 @@ def command(
     shard: str,
     shard_group_size: int | None,
     plot_path: Path | None,
+    card: str | None,
     as_json: bool,
 ) -> None:
     """Find the largest batch of WORKLOAD that fits on the device (exact), and the one to use.
@@ -123,7 +127,7 @@ def command(
     wl = load_workload(workload)
     settings = make_settings(precision, checkpointing, **strategy(world_size, shard, shard_group_size))
     with process_group():
-        gpu = make_device(rank_device(device_spec), memory=memory)
+        gpu = make_device(rank_device(card_device(device_spec, card)), memory=memory)
         main = distributed.is_main_process()
         say = (lambda text: err_console.print(f"memfit probe · {text}")) if main else None
         check_host_memory(gpu, wl)  # before any trial builds the model for real
@@ -148,7 +152,7 @@ def command(
         from memfit.reporting.figures import probe_png
         from memfit.search.probe_speeds import with_predicted_speeds
 
-        charted = with_predicted_speeds(result.to_dict(), wl, settings, gpu)  # the card's speed, not the CPU's
+        charted = with_predicted_speeds(result.to_dict(), wl, settings, gpu, card)  # the card's speed, not the CPU's
         write_atomically(plot_path, probe_png(charted) or b"")
     if as_json:
         print_json(result.to_dict())
