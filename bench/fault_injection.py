@@ -1002,6 +1002,8 @@ def _judge(
     if case.expect == "ok":
         if status not in (0, 1) or "Traceback" in err:
             return False, f"status {status}; {lines[-3:]}", ""
+        if case.message and case.message not in " ".join((out + err).split()):
+            return False, f"output lacks {case.message!r}", ""
         if "--json" in case.argv:
             try:
                 json.loads(out, parse_constant=_no_constant)  # strict: no bare NaN or Infinity
@@ -1181,7 +1183,7 @@ def summary_table(outcomes: list[Outcome]) -> str:
         "hostile files": "every damaged field of a lock, environment.json, run or result: one line naming the field, exit 2",
         "user code": "sys.exit, os.chdir, default dtype, deterministic flag in the model, make_batch or loss: one line, exit 2, state restored, nothing written",
         "environment": "torchrun variables, timeouts, an ASCII terminal, a 4400-character allocator setting, a meta model",
-        "host memory": "real steps the host cannot hold (a small MemAvailable through the seam): one line before the model is built",
+        "host memory": "real steps the host cannot hold (a small MemAvailable through the seam): one line before the model is built; a plan on fake trials goes on and says it was not confirmed for real",
     }
     for group, members in groups.items():
         held = sum(o.held for o in members)

@@ -522,10 +522,11 @@ def environment_cases() -> list[Case]:
             ["probe", "wl.py:make", "--device", "sim:64MiB"],
         )
     ]
+    real = ["--trials", "real"]
     host = [
         (
-            "plan llama-7b --gpu 'RTX 4090'",
-            ["plan", "llama-7b:seq_len=512", "--gpu", "RTX 4090", "--target-batch", "8"],
+            "plan llama-7b --gpu 'RTX 4090' --trials real",
+            ["plan", "llama-7b:seq_len=512", "--gpu", "RTX 4090", "--target-batch", "8", "--trials", "real"],
             2**30,
         ),
         ("fit llama-7b --gpu 'RTX 4090'", ["fit", "llama-7b:seq_len=512", "--gpu", "RTX 4090", "--no-doctor"], 2**30),
@@ -537,8 +538,8 @@ def environment_cases() -> list[Case]:
             2**30,
         ),
         (
-            "plan on sim:64MiB with 16 MiB free",
-            ["plan", "mlp:layers=2,width=1024,features=1024", "--device", "sim:64MiB", "--target-batch", "8"],
+            "plan --trials real on sim:64MiB with 16 MiB free",
+            ["plan", "mlp:layers=2,width=1024,features=1024", "--device", "sim:64MiB", "--target-batch", "8", *real],
             16 * 2**20,
         ),
     ]
@@ -554,6 +555,19 @@ def environment_cases() -> list[Case]:
         )
         for name, argv, available in host
     ]
+    # On fake trials ranked by the card's predicted speed a plan runs no real step: it goes on
+    # (nothing built for real) and says its answer was not confirmed for real.
+    cases.append(
+        Case(
+            "host memory",
+            "plan on fake trials, sim:256MiB with 16 MiB free",
+            ["plan", "mlp:layers=2,width=1024,features=1024", "--device", "sim:256MiB", "--target-batch", "4"],
+            expect="ok",
+            inject=_small_host(16 * 2**20),
+            message="was not run for real",
+            timeout=120,
+        )
+    )
     return cases
 
 

@@ -82,7 +82,7 @@ from memfit.memory.devices import Device, SimDevice
 from memfit.memory.devices import device as make_device
 from memfit.memory.gpus import GPU
 from memfit.run.checkpointing import recompute_order
-from memfit.run.host_memory import host_refusal
+from memfit.run.host_memory import check_host_memory, host_refusal
 from memfit.run.measure import Measurement
 from memfit.run.settings import PRECISIONS, Checkpointing, Precision, Settings
 from memfit.run.state import preserved_workload
@@ -317,6 +317,8 @@ def plan(
         MemfitError: a bad target or headroom; a trial whose loss is NaN or infinite.
     """
     wl = load_workload(workload)
+    if trials == "real" and run_trial is trial:
+        check_host_memory(make_device(device), wl)  # refused before the candidates' checks run fake steps
     # Nothing of the caller's changes: a model instance, its optimizer, every RNG (the
     # candidates' models are built from the caller's streams), success or error.
     with preserved_workload(wl) as preserved:
