@@ -207,7 +207,7 @@ def _two_layers() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return nn.Sequential(*layers), (torch.randn(8, 256),)
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "aot_eager_default_partitioner"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "aot_eager_default_partitioner", "inductor_fusion"])
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_a_compiled_step_on_fake_tensors_peaks_as_the_same_graphs_on_real_ones(backend: str, set_to_none: bool) -> None:
     from memfit.estimator.compiled_step import step_peak
@@ -241,3 +241,32 @@ def test_an_unknown_backend_is_refused() -> None:
 
     with pytest.raises(ValueError, match="backend must be one of"):
         step_peak(_two_layers, backend="inductor")
+
+
+def test_inductors_fusion_model_allocates_no_pointwise_intermediate() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memfit.estimator.compiled_step import fused_nodes
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.relu(x @ w) * 2.0).sum(0) @ w
+
+    graph = make_fx(f)(torch.randn(4, 8), torch.randn(8, 8)).graph
+    fused = {str(node.target).split(".")[1] for node in fused_nodes(graph)}
+    # relu and mul feed only pointwise ops, tanh only a reduction; the matmul's result
+    # is a kernel's output and the sum feeds a matmul: both written to memory
+    assert fused == {"relu", "mul", "tanh"}
+
+
+def test_the_fusion_model_holds_less_than_aot_eager_on_a_pointwise_chain() -> None:
+    from memfit.estimator.compiled_step import step_peak
+
+    def chain() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        torch.manual_seed(0)
+        layers = [nn.Linear(256, 1024, bias=False), nn.GELU(), nn.Tanh(), nn.Linear(1024, 256, bias=False)]
+        return nn.Sequential(*layers), (torch.randn(64, 256),)
+
+    aot = step_peak(chain, backend="aot_eager", fake=False, set_to_none=True)
+    fused = step_peak(chain, backend="inductor_fusion", fake=False, set_to_none=True)
+    # at least GELU's output (64 x 1024 floats), which only Tanh reads, is never written
+    assert aot.peak_allocated - fused.peak_allocated >= 64 * 1024 * 4

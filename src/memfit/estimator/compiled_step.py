@@ -35,6 +35,7 @@ it).
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +47,25 @@ from torch.utils._pytree import tree_leaves
 from memfit.cuda.target import CudaTarget
 from memfit.memory.devices import SimDevice
 
-__all__ = ["BACKENDS", "StepPeak", "step_peak"]
+__all__ = ["BACKENDS", "FUSION_ASSUMPTION", "StepPeak", "fused_nodes", "step_peak"]
 
 #: what :func:`step_peak` runs: ``eager``; ``aot_eager`` (AOTAutograd's graphs, min-cut
-#: partitioner, as torch's aot_eager backend); ``aot_eager_default_partitioner``
-BACKENDS = ("eager", "aot_eager", "aot_eager_default_partitioner")
+#: partitioner, as torch's aot_eager backend); ``aot_eager_default_partitioner`` (as
+#: aot_eager partitioned before 2024); ``inductor_fusion`` (a model of inductor: see
+#: :data:`FUSION_ASSUMPTION`)
+BACKENDS = ("eager", "aot_eager", "aot_eager_default_partitioner", "inductor_fusion")
+
+#: what ``inductor_fusion`` assumes of inductor's kernels (no kernel is generated)
+FUSION_ASSUMPTION = (
+    "the graphs are partitioned as inductor's are (min-cut with inductor's decompositions); "
+    "a value made by a pointwise operation, a reduction, a random draw or a view and read only "
+    "by pointwise operations, reductions or views is computed inside a fused kernel and never "
+    "allocated; everything else (matmuls, the saved tensors, the gradients, the graphs' "
+    "outputs) is allocated as the graph runs, freed after its last use"
+)
+
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "prod", "any", "all"})
+_RANDOM = frozenset({"rand", "rand_like", "randn", "randn_like", "bernoulli"})
 
 Build = Callable[[], tuple[nn.Module, "tuple[Any, ...] | Mapping[str, Any]"]]
 
@@ -85,15 +100,104 @@ class _Call(nn.Module):
         return tuple(tree_leaves(self.module(**dict(zip(self.names, args, strict=True)))))
 
 
-def _compiled(call: _Call, args: list[Any], backend: str) -> Callable[..., Any]:
-    """``call`` as aot_eager runs it: AOTAutograd's graphs, each run as its own code."""
+def _kind(node: fx.Node) -> str:
+    """``pointwise``, ``reduction``, ``random``, ``view`` or ``other`` (a kernel of its own)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return "view" if node.op == "call_function" and target is operator.getitem else "other"
+    if torch.Tag.pointwise in target.tags:
+        return "pointwise"
+    if target.is_view:
+        return "view"
+    name = target.overloadpacket.__name__
+    if name in _REDUCTIONS:
+        return "reduction"
+    return "random" if name in _RANDOM else "other"
+
+
+def fused_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The values of ``graph`` that inductor is assumed to keep inside fused kernels.
+
+    Args:
+        graph: a partitioned forward or backward graph (see :data:`FUSION_ASSUMPTION`).
+    """
+    fused: set[fx.Node] = set()
+    for node in graph.nodes:
+        # a view allocates nothing: it is fused when what it views is
+        if _kind(node) in ("other", "view") or not node.users:
+            continue
+        if all(_reads_in_kernel(user) for user in node.users):
+            fused.add(node)
+    return fused
+
+
+def _reads_in_kernel(user: fx.Node) -> bool:
+    """True when ``user`` reads its input inside a fused kernel (a view: when its readers do)."""
+    kind = _kind(user) if user.op == "call_function" else "other"
+    if kind == "view":
+        return bool(user.users) and all(_reads_in_kernel(reader) for reader in user.users)
+    return kind in ("pointwise", "reduction")
+
+
+class _FusedRun(fx.Interpreter):
+    """A graph run node by node, its fused values computed where the tracker does not see them.
+
+    A fused value, and a value computed from one, runs with the dispatch modes off (the
+    tracker sees nothing; a fake tensor still answers through its own mode); the latter is
+    then adopted, so only what a kernel writes to memory is counted.
+    """
+
+    def __init__(self, gm: fx.GraphModule, device: SimDevice) -> None:
+        super().__init__(gm)
+        self.fused = fused_nodes(gm.graph)
+        self.device = device
+
+    def run_node(self, n: fx.Node) -> Any:
+        reads_fused = any(isinstance(a, fx.Node) and a in self.fused for a in n.all_input_nodes)
+        if n.op != "call_function" or (n not in self.fused and not reads_fused):
+            return super().run_node(n)
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            value = super().run_node(n)
+        if n not in self.fused:  # written to memory (a view of a counted value stays counted once)
+            leaves = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+            self.device.adopt(t for t in leaves if not self.device.holds(t))
+        return value
+
+
+def _compiled(call: _Call, args: list[Any], backend: str, device: SimDevice) -> Callable[..., Any]:
+    """``call`` as ``backend`` runs it: AOTAutograd's graphs, each run as its own code."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
 
     def own_code(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         return make_boxed_func(gm.forward)
 
-    partition = min_cut_rematerialization_partition if backend == "aot_eager" else default_partition
+    def fused_code(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        run = _FusedRun(gm, device)
+
+        def boxed(args: list[Any]) -> Any:
+            try:
+                return run.boxed_run(args)
+            finally:
+                # the interpreter keeps its last environment (the outputs); a kept gradient
+                # would make AccumulateGrad copy it instead of taking it
+                run.env = {}
+
+        marked: Any = boxed
+        marked._boxed_call = True  # AOTAutograd hands it its argument list to clear
+        return marked
+
+    def inductor_partition(joint: fx.GraphModule, inputs: Any, **options: Any) -> Any:
+        return min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **options)
+
+    inductor = backend == "inductor_fusion"
+    partition: dict[str, Callable[..., Any]] = {
+        "aot_eager": min_cut_rematerialization_partition,
+        "inductor_fusion": inductor_partition,
+    }
     # typed for a GraphModule, it traces any module (it reads named_parameters and calls it)
     wrapped: Any = call
     # TorchDynamo holds torch.compiler.is_compiling() True while it compiles, so the model's
@@ -105,9 +209,10 @@ def _compiled(call: _Call, args: list[Any], backend: str) -> Callable[..., Any]:
         return aot_module_simplified(
             wrapped,
             args,
-            fw_compiler=own_code,
-            bw_compiler=own_code,
-            partition_fn=partition,
+            fw_compiler=fused_code if inductor else own_code,
+            bw_compiler=fused_code if inductor else own_code,
+            partition_fn=partition.get(backend, default_partition),
+            decompositions=select_decomp_table() if inductor else None,
             keep_inference_input_mutations=True,
         )
 
@@ -164,8 +269,8 @@ def step_peak(
         names = list(given) if isinstance(given, Mapping) else None
         args = list(given.values()) if isinstance(given, Mapping) else list(given)
         call = _Call(module, names)
-        forward = _compiled(call, args, backend) if backend != "eager" else call
         device = SimDevice(None, "memfit:compiled-step", cuda=cuda)
+        forward = _compiled(call, args, backend, device) if backend != "eager" else call
         with device:
             device.adopt([*module.parameters(), *module.buffers()])
             device.adopt(arg for arg in args if isinstance(arg, torch.Tensor))
