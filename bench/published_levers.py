@@ -328,7 +328,7 @@ def compiled_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-# The PyTorch team's dashboard: eager peak / compiled peak, training, float32, A100 40GB
+# The PyTorch team's dashboard: eager peak / compiled peak, training, float32 (batch sizes chosen for A100 40GB)
 # (pytorch/pytorch#96192, "[TESTING] Dashboard -- float32", the post of turn 6 by desertfire):
 # model, batch, published aot_eager, published inductor_no_cudagraphs
 DASHBOARD = "https://github.com/pytorch/pytorch/issues/96192"
@@ -342,18 +342,24 @@ DASHBOARD_ROWS = [
 DASHBOARD_SEQUENCE = {"GPT2": 1024, "Bert": 512, "Roberta": 512}
 DASHBOARD_ASSUMED = (
     "the harness's model: `config_class()` defaults (GPT-2 124M, BERT/RoBERTa base), `pad_token_id = 0` for GPT-2 "
-    "and RoBERTa, `use_cache = False`, train mode (dropout 0.1: the harness sets the config's dropout to 1e-30 after "
-    "the modules are built), random token ids and labels as `generate_inputs_for_model` makes them (RoBERTa's ids "
-    "all 0); the model code is transformers as installed here, not the early-2023 release the post ran, with "
-    "`attn_implementation='eager'` (2023's models wrote attention out; no SDPA); the step is "
-    "`forward_and_backward_pass` (inputs cloned, loss = first output, backward; no optimizer: early-2023 "
-    "`common.py: init_optimizer` sets `self.optimizer = None`, so `optimizer_zero_grad` does nothing and the "
-    "gradients accumulate), the peak `torch.cuda.max_memory_allocated()` over 5 warm-up iterations after "
-    "`reset_peak_memory_stats()` (`run_performance_test: warmup`; memfit runs 2: from the second on the "
-    "accumulated gradients are held and every later one repeats it); A100 CUDA semantics; 2023's `aot_eager` was "
-    "`aot_autograd(fw_compiler=boxed_nop)`, the default partitioner (today's aot_eager uses min-cut: its column "
-    "is shown too); inductor_no_cudagraphs modelled by fusion alone: " + FUSION_ASSUMPTION + " (no CUDA graphs, no "
-    "inductor buffer reuse beyond freeing after last use, no kernel workspace)"
+    "and RoBERTa, `use_cache = False`, train mode, dropout 0.1 (today's harness sets the config's dropout "
+    "attributes to 1e-30 after the modules are built, which leaves `nn.Dropout`'s p), random token ids and labels "
+    "as `generate_inputs_for_model` makes them (RoBERTa's ids all 0); the model code is transformers as installed "
+    "here, not the early-2023 release the post ran, with `attn_implementation='eager'` (2023's models wrote "
+    "attention out; no SDPA); the step is `forward_and_backward_pass` (inputs cloned, loss = first output, "
+    "backward) with no optimizer: a stored early-2023 `common.py` (the post's exact commit is not identified) "
+    "has `init_optimizer` set `self.optimizer = None`, so `optimizer_zero_grad` does nothing and gradients "
+    "accumulate; its peak is `torch.cuda.max_memory_allocated()` over 5 warm-up iterations after "
+    "`reset_peak_memory_stats()` (`run_performance_test: warmup`); memfit runs 2 (from the second on the "
+    "accumulated gradients are held, as in every later one); A100 CUDA semantics (huggingface.py's batch sizes "
+    "are 'the largest batch size that can fit on A100 GPUs - 40 GB'; the post's card is not restated here); "
+    "2023's `aot_eager` was `aot_autograd(fw_compiler=boxed_nop)`, the default partitioner, its graphs run by "
+    "`fx.Interpreter(...).boxed_run` (which also frees each value after its last use); today's aot_eager uses "
+    "min-cut (its column is shown too); today's AOTAutograd clears the saved tensors when the backward graph "
+    "starts (`ctx.maybe_clear_saved_tensors()`), so the graph frees each after its last use; whether the "
+    "post's build did is not checked; inductor_no_cudagraphs modelled by fusion alone: "
+    + FUSION_ASSUMPTION
+    + " (no CUDA graphs, no inductor buffer reuse beyond freeing after last use, no kernel workspace)"
 )
 
 
@@ -540,7 +546,7 @@ def compiled_section(compiled: list[dict[str, Any]], dashboard: list[dict[str, A
         "#### A compiled step's peak against the TorchDynamo dashboard",
         "",
         f'Source: {DASHBOARD} ("[TESTING] Dashboard -- float32", the PyTorch team\'s post of March 2023, table '
-        '"Peak Memory Compression Ratio": eager peak / compiled peak, training, float32, A100 40GB; the harness: '
+        '"Peak Memory Compression Ratio": eager peak / compiled peak, training, float32; the harness: '
         "pytorch/pytorch `benchmarks/dynamo/huggingface.py` and `common.py`). memfit: "
         "`memfit.estimator.compiled_step.step_peak(build, backend=...)`: the harness's step run on fake tensors under "
         "the storage tracker and the allocator model, eager and as AOTAutograd's forward and backward graphs "

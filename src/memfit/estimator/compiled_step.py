@@ -13,6 +13,11 @@ run a model. TorchDynamo is not involved (it does not compile under memfit's dis
 modes: :mod:`memfit.estimator.compiled`), so the whole forward is one graph, as it is for a
 model without graph breaks.
 
+``inductor_fusion`` is a model of inductor, not inductor: the same graphs partitioned as
+inductor's are, run node by node, a value that only fused kernels read computed where the
+tracker does not see it (:data:`FUSION_ASSUMPTION`); no kernel is generated, no CUDA graph
+is recorded, and inductor's own buffer reuse is not modelled beyond freeing after last use.
+
 The step is the one the TorchDynamo benchmark harness times (pytorch/pytorch
 ``benchmarks/dynamo/huggingface.py: forward_and_backward_pass``): the inputs cloned, the
 forward, the loss (the first output, summed when it is not a scalar), backward. No
@@ -58,10 +63,11 @@ BACKENDS = ("eager", "aot_eager", "aot_eager_default_partitioner", "inductor_fus
 #: what ``inductor_fusion`` assumes of inductor's kernels (no kernel is generated)
 FUSION_ASSUMPTION = (
     "the graphs are partitioned as inductor's are (min-cut with inductor's decompositions); "
-    "a value made by a pointwise operation, a reduction, a random draw or a view and read only "
-    "by pointwise operations, reductions or views is computed inside a fused kernel and never "
-    "allocated; everything else (matmuls, the saved tensors, the gradients, the graphs' "
-    "outputs) is allocated as the graph runs, freed after its last use"
+    "a value made by a pointwise operation, a reduction or a random draw and read only by "
+    "pointwise operations or reductions (directly or through views) is computed inside a fused "
+    "kernel and never allocated; everything else (matmul and other library kernels' outputs, "
+    "the saved tensors, the gradients, the graphs' outputs) is allocated as the graph runs and "
+    "freed after its last use"
 )
 
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "prod", "any", "all"})
