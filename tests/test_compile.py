@@ -199,3 +199,74 @@ def test_a_gpt_layer_keeps_megatrons_count_eager_and_compiled() -> None:
     assert eager.bytes == expected
     assert saved_for_backward(build, compiled=False).bytes > expected  # the CPU's dropout keeps a 2-byte mask
     assert saved_for_backward(build, compiled=True).bytes == expected
+
+
+def _two_layers() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    layers = [nn.Linear(256, 256, bias=False), nn.GELU(), nn.Linear(256, 256, bias=False)]
+    return nn.Sequential(*layers), (torch.randn(8, 256),)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "aot_eager_default_partitioner", "inductor_fusion"])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_a_compiled_step_on_fake_tensors_peaks_as_the_same_graphs_on_real_ones(backend: str, set_to_none: bool) -> None:
+    from memfit.estimator.compiled_step import step_peak
+
+    fake = step_peak(_two_layers, backend=backend, set_to_none=set_to_none)
+    real = step_peak(_two_layers, backend=backend, set_to_none=set_to_none, fake=False)
+    assert (fake.peak_allocated, fake.peak_reserved) == (real.peak_allocated, real.peak_reserved)
+    # what never leaves: both weights (256 KiB each) and the input, and with accumulation
+    # both gradients; above it at most both new gradients and the 8 KiB activations
+    weight = 256 * 256 * 4
+    held = 2 * weight * (1 if set_to_none else 2) + 8 * 256 * 4
+    assert held < fake.peak_allocated < held + 2 * weight + 64 * 1024
+
+
+def test_aot_eagers_backward_graph_holds_every_new_gradient_at_once() -> None:
+    """With gradients accumulating, eager autograd adds each layer's new gradient and frees
+    it before the next layer's is made; the backward graph returns both together."""
+    from memfit.estimator.compiled_step import step_peak
+
+    eager = step_peak(_two_layers, backend="eager", fake=False)
+    compiled = step_peak(_two_layers, backend="aot_eager", fake=False)
+    assert compiled.peak_allocated - eager.peak_allocated >= 256 * 256 * 4
+    # zeroed to None, AccumulateGrad keeps the new gradient itself: nothing to hold twice
+    eager_none = step_peak(_two_layers, backend="eager", fake=False, set_to_none=True)
+    compiled_none = step_peak(_two_layers, backend="aot_eager", fake=False, set_to_none=True)
+    assert compiled_none.peak_allocated - eager_none.peak_allocated < 256 * 256 * 4
+
+
+def test_an_unknown_backend_is_refused() -> None:
+    from memfit.estimator.compiled_step import step_peak
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        step_peak(_two_layers, backend="inductor")
+
+
+def test_inductors_fusion_model_allocates_no_pointwise_intermediate() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memfit.estimator.compiled_step import fused_nodes
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.relu(x @ w) * 2.0).sum(0) @ w
+
+    graph = make_fx(f)(torch.randn(4, 8), torch.randn(8, 8)).graph
+    fused = {str(node.target).split(".")[1] for node in fused_nodes(graph)}
+    # relu and mul feed only pointwise ops, tanh only a reduction; the matmul's result
+    # is a kernel's output and the sum feeds a matmul: both written to memory
+    assert fused == {"relu", "mul", "tanh"}
+
+
+def test_the_fusion_model_holds_less_than_aot_eager_on_a_pointwise_chain() -> None:
+    from memfit.estimator.compiled_step import step_peak
+
+    def chain() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+        torch.manual_seed(0)
+        layers = [nn.Linear(256, 1024, bias=False), nn.GELU(), nn.Tanh(), nn.Linear(1024, 256, bias=False)]
+        return nn.Sequential(*layers), (torch.randn(64, 256),)
+
+    aot = step_peak(chain, backend="aot_eager", fake=False, set_to_none=True)
+    fused = step_peak(chain, backend="inductor_fusion", fake=False, set_to_none=True)
+    # at least GELU's output (64 x 1024 floats), which only Tanh reads, is never written
+    assert aot.peak_allocated - fused.peak_allocated >= 64 * 1024 * 4
