@@ -119,27 +119,10 @@ SLOW = (
 )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("sig", "status", "line"),
-    [(signal.SIGINT, 130, "memfit: aborted"), (signal.SIGTERM, 143, "memfit: aborted (SIGTERM)")],
-)
-def test_sigterm_ends_a_command_like_ctrl_c(tmp_path, sig, status, line):
-    """A probe interrupted during its trials: one line, the documented status, no traceback, no file."""
-    (tmp_path / "slow.py").write_text(SLOW)
+def signalled_once_started(tmp_path: Path, argv: list[str], *signals: int) -> tuple[int, str]:
+    """Run ``argv`` in ``tmp_path``, send ``signals`` once its workload wrote ``started``; (status, stderr)."""
     child = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "memfit",
-            "probe",
-            "slow.py:make",
-            "--device",
-            "sim:64MiB",
-            "--no-estimate",
-            "--plot",
-            "probe.png",
-        ],
+        argv,
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": SOURCE},
         stdout=subprocess.PIPE,
@@ -150,13 +133,27 @@ def test_sigterm_ends_a_command_like_ctrl_c(tmp_path, sig, status, line):
         deadline = time.monotonic() + 50
         while not (tmp_path / "started").exists() and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        child.send_signal(sig)
+        for sig in signals:
+            child.send_signal(sig)
         _, err = child.communicate(timeout=50)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert child.returncode == status, err[-2000:]
+    return child.returncode, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sig", "status", "line"),
+    [(signal.SIGINT, 130, "memfit: aborted"), (signal.SIGTERM, 143, "memfit: aborted (SIGTERM)")],
+)
+def test_sigterm_ends_a_command_like_ctrl_c(tmp_path, sig, status, line):
+    """A probe interrupted during its trials: one line, the documented status, no traceback, no file."""
+    (tmp_path / "slow.py").write_text(SLOW)
+    argv = ["-m", "memfit", "probe", "slow.py:make", "--device", "sim:64MiB", "--no-estimate", "--plot", "probe.png"]
+    returncode, err = signalled_once_started(tmp_path, [sys.executable, *argv], sig)
+    assert returncode == status, err[-2000:]
     assert err.strip().splitlines()[-1] == line and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.py", "started"]  # no plot, no temp file
 
@@ -305,26 +302,9 @@ def test_a_sigint_the_process_was_started_ignoring_stays_ignored(tmp_path):
     ignoring = (
         f"import os, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv({sys.executable!r}, {command!r})"
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", ignoring],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": SOURCE},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 50
-        while not (tmp_path / "started").exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        child.send_signal(signal.SIGINT)  # ignored ...
-        child.send_signal(signal.SIGTERM)  # ... so this one ends it (a SIGINT handled would come first: 130)
-        _, err = child.communicate(timeout=50)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    assert child.returncode == EXIT_SIGTERM, err[-2000:]
+    # the SIGINT is ignored, so the SIGTERM ends it (a SIGINT handled would come first: 130)
+    returncode, err = signalled_once_started(tmp_path, [sys.executable, "-c", ignoring], signal.SIGINT, signal.SIGTERM)
+    assert returncode == EXIT_SIGTERM, err[-2000:]
     assert err.strip().splitlines()[-1] == "memfit: aborted (SIGTERM)"
 
 
