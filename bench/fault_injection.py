@@ -171,17 +171,19 @@ def _workload(body: str) -> Callable[[Path], None]:
     return _write("wl.py", "import os, time, torch, memfit\n" + body)
 
 
+#: a lock memfit reads (micro 8 x 1 x 1 = target 8): the base of every damaged-lock case
+LOCK = {
+    "schema": '"memfit.lock"',
+    "schema_version": "1",
+    "workload": '{ ref = "mlp" }',
+    "settings": "{ micro_batch_size = 8 }",
+    "target": "{ batch_size = 8 }",
+    "environment": '{ schema = "memfit.environment", schema_version = 1, python = "3.11.7", os = "Linux" }',
+}
+
+
 def _lock_text(**changes: str) -> str:
-    base = {
-        "schema": '"memfit.lock"',
-        "schema_version": "1",
-        "workload": '{ ref = "mlp" }',
-        "settings": "{ micro_batch_size = 8 }",
-        "target": "{ batch_size = 8 }",
-        "environment": '{ schema = "memfit.environment", schema_version = 1, python = "3.11.7", os = "Linux" }',
-    }
-    base.update(changes)
-    return "".join(f"{key} = {value}\n" for key, value in base.items())
+    return "".join(f"{key} = {value}\n" for key, value in {**LOCK, **changes}.items())
 
 
 # -- the cases ----------------------------------------------------------------------------

@@ -15,23 +15,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from fault_injection import GPT, HEADER, STEP, TINY, Case, _both, _run_lines, _workload, _write
+from fault_injection import GPT, HEADER, STEP, TINY, Case, _both, _lock_text, _run_lines, _workload, _write
 
-#: the base lock of the damaged-field cases: a lock memfit reads (micro 8 x 1 x 1 = target 8)
-LOCK = {
-    "schema": '"memfit.lock"',
-    "schema_version": "1",
-    "workload": '{ ref = "mlp" }',
-    "settings": "{ micro_batch_size = 8 }",
-    "target": "{ batch_size = 8 }",
-    "environment": '{ schema = "memfit.environment", schema_version = 1, python = "3.11.7", os = "Linux" }',
-}
 ENV = 'schema = "memfit.environment", schema_version = 1, os = "Linux"'
 FINGERPRINT = {"schema": "memfit.environment", "schema_version": 1, "python": "3.11.7", "os": "Linux"}
-
-
-def _lock(**changes: str) -> str:
-    return "".join(f"{key} = {value}\n" for key, value in {**LOCK, **changes}.items())
 
 
 def _gpu(memory: str) -> str:
@@ -128,7 +115,7 @@ def lock_cases() -> list[Case]:
                     "hostile files",
                     f"check{' --json' if json_flag else ''}: {name}",
                     ["check", "memfit.lock", *json_flag],
-                    setup=_write("memfit.lock", _lock(**changes)),
+                    setup=_write("memfit.lock", _lock_text(**changes)),
                     message=field,
                     quick=index < 2 and not json_flag,
                 )
@@ -140,7 +127,7 @@ def lock_cases() -> list[Case]:
                 "hostile files",
                 f"check: a 5000-digit number in {where}",
                 ["check", "memfit.lock"],
-                setup=_write("memfit.lock", _lock(**{where: table + "9" * 5000 + " }"})),
+                setup=_write("memfit.lock", _lock_text(**{where: table + "9" * 5000 + " }"})),
                 message="a number too long",
             )
         )
@@ -472,7 +459,7 @@ def environment_cases() -> list[Case]:
         )
         for env, message in table
     ]
-    lock = _write("memfit.lock", _lock())
+    lock = _write("memfit.lock", _lock_text())
     ascii_commands = {
         "fit": ["fit", TINY, "--device", "sim:64MiB", "--no-doctor", "--max-batch-size", "8"],
         "estimate": ["estimate", GPT, "--device", "sim:64MiB"],
