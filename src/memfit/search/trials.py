@@ -30,6 +30,7 @@ about a GPU's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -119,16 +120,13 @@ class Trials:
         self.note = note
         self._say = say
         self._fallen_back = not fake
-        self._host_shortfall: tuple[str | None] | None = None
 
-    @property
+    @functools.cached_property
     def host_shortfall(self) -> str | None:
         """None when real steps fit in this host's available memory; else the sentence saying
         how much they need (:func:`memfit.run.host_memory.host_fits`), and :meth:`real` refuses."""
-        if self._host_shortfall is None:
-            fits, what = host_fits(self.device, self.workload)
-            self._host_shortfall = (None if fits else what,)
-        return self._host_shortfall[0]
+        fits, what = host_fits(self.device, self.workload)
+        return None if fits else what
 
     @property
     def on_fake_tensors(self) -> bool:
