@@ -36,6 +36,21 @@ def dataset(samples: int = 32, length: int = 16) -> list[dict[str, torch.Tensor]
     return [{"input_ids": i, "labels": target} for i, target in zip(ids, labels)]
 
 
+def sgd_arguments(tmp: Path | str, **settings: Any) -> Any:
+    """The Trainer's arguments of these tests: plain SGD at a constant rate on the CPU, quiet, nothing saved."""
+    return transformers.TrainingArguments(
+        output_dir=str(tmp),
+        optim="sgd",
+        lr_scheduler_type="constant",
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        **settings,
+    )
+
+
 def train(
     cls: type = transformers.Trainer, tmp: Path | None = None, *, accepts_loss_kwargs: bool = True, **options: Any
 ) -> tuple[Any, torch.nn.Module]:
@@ -53,19 +68,8 @@ def train(
         eos_token_id=0,
     )
     model = transformers.GPT2LMHeadModel(config)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp or "unused"),
-        per_device_train_batch_size=16,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        report_to="none",
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
+    args = sgd_arguments(
+        tmp or "unused", per_device_train_batch_size=16, gradient_accumulation_steps=2, max_steps=2, learning_rate=0.1
     )
     trainer = cls(model=model, args=args, train_dataset=dataset(), **options)
     if not accepts_loss_kwargs:
@@ -161,20 +165,13 @@ def train_masked_lm(cls: type, tmp: Path, **options: Any) -> tuple[Any, torch.nn
         attention_probs_dropout_prob=0.0,
     )
     model = transformers.BertForMaskedLM(config)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp),
+    args = sgd_arguments(
+        tmp,
         per_device_train_batch_size=16,
         gradient_accumulation_steps=2,
         max_steps=2,
         learning_rate=0.5,
-        optim="sgd",
         max_grad_norm=1.0,
-        lr_scheduler_type="constant",
-        report_to="none",
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
     )
     trainer = cls(model=model, args=args, train_dataset=masked_dataset(), **options)
     trainer.train()
@@ -241,21 +238,7 @@ def train_policy(
     model = tiny_model(kind)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(freeze is None or freeze not in name)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp),
-        per_device_train_batch_size=8,
-        max_steps=2,
-        learning_rate=0.05,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        report_to="none",
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=3,
-        **arguments,
-    )
+    args = sgd_arguments(tmp, per_device_train_batch_size=8, max_steps=2, learning_rate=0.05, seed=3, **arguments)
     data = masked_dataset() if kind == "bert" else dataset()
     if policy is None:
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
