@@ -2,7 +2,7 @@
 (on a GPU) measured, for ``bench/gpu_speed_check.py``.
 
 Each case is a small function of tensors (a product, a convolution forward and backward,
-an element-wise kernel, a norm, a softmax, a reduction, an optimizer step). Its predicted
+element-wise kernels in 16 and 32 bits, a norm, a softmax, a reduction, an optimizer step). Its predicted
 time comes from memfit's own model: the function runs once on fake tensors under a
 dispatch mode that hands every ATen call to :class:`memfit.estimator.timing.OpCounter`
 (as the estimator's fake steps do), and :func:`memfit.estimator.timing.predict` times the
@@ -118,7 +118,16 @@ def cases(gpu: GPU) -> list[Case]:
         Case(
             "conv 3x3 depthwise, 16-bit NHWC", "depthwise", KernelClass.CONV_DEPTHWISE, _conv(256, torch.float16, True)
         ),
+        # the same bytes in fp32: a thread of PyTorch's element-wise kernel loads a fixed number
+        # of elements, so 16 bits keep half the bytes in flight (Rates.latency caps them); an
+        # implied rate lower for the halves than the floats is that cap measured
         Case("add, 256M halves", "stream", KernelClass.ELEMENTWISE, _unary(lambda x: x + 1, (1 << 28,))),
+        Case(
+            "add, 128M floats",
+            "stream",
+            KernelClass.ELEMENTWISE,
+            _unary(lambda x: x + 1, (1 << 27,), dtype=torch.float32),
+        ),
         Case("batch norm, 128x256x28x28", "stream", KernelClass.NORMALIZATION, _batch_norm),
         Case("softmax, 8192x8192", "stream", KernelClass.SOFTMAX, _unary(lambda x: x.softmax(-1), (8192, 8192))),
         Case("sum, 256M halves", "stream", KernelClass.REDUCTION, _unary(lambda x: x.sum(), (1 << 28,))),

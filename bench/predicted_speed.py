@@ -41,7 +41,7 @@ import torch
 import memfit
 from _results import write_section
 from memfit._io import write_atomically
-from memfit.estimator.kernel_rates import RATES, Rates
+from memfit.estimator.kernel_rates import RATES, Rates, elements_per_thread
 from memfit.estimator.speed import record_step, step_time
 from memfit.estimator.timing import OpTrace
 from memfit.memory.gpus import lookup
@@ -56,6 +56,7 @@ CALIBRATED = {
     "grouped": [i / 100 for i in range(4, 101, 2)],
     "depthwise": [i / 100 for i in range(4, 86, 2)],
     "layout": [i / 100 for i in range(10, 96, 2)],
+    "latency": [i / 10 * 1e-6 for i in range(6, 31)],
 }
 
 
@@ -98,7 +99,11 @@ def traces(rows: list[Row], cache: Path | None) -> dict[str, OpTrace]:
     return found
 
 
-def predict_rows(rows: list[Row], recorded: dict[str, OpTrace], rates: Rates = RATES) -> list[Result]:
+def predict_rows(
+    rows: list[Row], recorded: dict[str, OpTrace], rates: Rates = RATES, *, own_torch: bool = True
+) -> list[Result]:
+    """Each row predicted; ``own_torch``: with the streaming kernels of the PyTorch its source
+    ran (:func:`elements_per_thread` of ``Source.torch``), else with the installed torch's."""
     results = []
     for row in rows:
         p = step_time(
@@ -109,6 +114,7 @@ def predict_rows(rows: list[Row], recorded: dict[str, OpTrace], rates: Rates = R
             tf32_conv=row.tf32_conv,
             trace=recorded[_key(row)],
             rates=rates,
+            per_thread=elements_per_thread(SOURCES[row.source].torch) if own_torch else None,
         )
         error = 100.0 * (p.samples_per_second - row.published) / row.published
         results.append(Result(row, p.samples_per_second, p.seconds_per_step, error, p.by_class, p.bound_by))
@@ -208,10 +214,25 @@ def _grouped(results: list[Result], key: Any) -> list[str]:
     return lines
 
 
-def report(results: list[Result], seconds: float) -> str:
+def report(results: list[Result], seconds: float, installed: list[Result] | None = None) -> str:
+    """The docs section; ``installed``: the same rows predicted with the installed torch's
+    streaming kernels instead of their sources' (shown beside, as docs/benchmarks.md asks of a
+    figure improved by reproducing the measured software)."""
     validation = [r for r in results if not r.row.calibration]
     calibration = [r for r in results if r.row.calibration]
     v, c = figures(validation), figures(calibration)
+    without = ""
+    if installed is not None:
+        w = figures([r for r in installed if not r.row.calibration])
+        wc = figures([r for r in installed if r.row.calibration])
+        without = (
+            f" Without reproducing the sources' PyTorch (every row with the installed torch {torch.__version__}'s "
+            f"streaming kernels, {elements_per_thread()} elements a thread, instead of their PyTorch's "
+            f"{', '.join(sorted({str(elements_per_thread(s.torch)) for s in SOURCES.values()}))}): validation "
+            f"median {w['median_abs_error_pct']:.1f} %, worst {w['worst_error_pct']:+.1f} %, Spearman "
+            f"{w['spearman']:.3f}; calibration median {wc['median_abs_error_pct']:.1f} %, worst "
+            f"{wc['worst_error_pct']:+.1f} %."
+        )
     lines = [
         "## Predicted training speed against published GPU throughput",
         "",
@@ -226,7 +247,10 @@ def report(results: list[Result], seconds: float) -> str:
         "efficiency with tile and wave quantization for the card's SM count; convolutions by kind "
         "(dense, grouped, depthwise) with cuDNN's NCHW transposes on tensor cores (dense and grouped "
         "ones: a depthwise convolution runs no tensor-core kernel); memory-bound kernels at the "
-        "measured streaming bandwidth; tf32 apart. "
+        "measured streaming bandwidth, or less where the bytes a thread of PyTorch's kernels keeps in "
+        "flight cannot cover the memory latency (Little's law; each row with its source's PyTorch: "
+        "`Source.torch` in `bench/speed_rows.py`); tf32 apart, and run as fp32 on cards whose tf32 "
+        "peak is their fp32 one. "
         f"Calibrated efficiencies (fitted by `{COMMAND} --calibrate` on the {len(calibration)} calibration "
         f"rows only; the split is stated in `bench/speed_rows.py`): {_rates_text(RATES)}. "
         "Error = (predicted - published) / published. DeepLearningExamples' rows are whole training "
@@ -240,7 +264,7 @@ def report(results: list[Result], seconds: float) -> str:
         f"**Validation rows ({v['rows']:.0f}, no efficiency fitted to them): median |error| "
         f"{v['median_abs_error_pct']:.1f} %, worst {v['worst_error_pct']:+.1f} %, Spearman {v['spearman']:.3f}** "
         f"(targets: 7 %, 30 %, 0.97: {_verdict(v)}). Calibration rows ({c['rows']:.0f}): median "
-        f"{c['median_abs_error_pct']:.1f} %, worst {c['worst_error_pct']:+.1f} %.",
+        f"{c['median_abs_error_pct']:.1f} %, worst {c['worst_error_pct']:+.1f} %.{without}",
         "",
         "By kind (validation rows):",
         "",
@@ -264,7 +288,10 @@ def report(results: list[Result], seconds: float) -> str:
 
 
 def _rates_text(rates: Rates) -> str:
-    return ", ".join(f"{name} {getattr(rates, name):.2f}" for name in CALIBRATED)
+    return ", ".join(
+        f"latency {rates.latency * 1e6:.1f} us" if name == "latency" else f"{name} {getattr(rates, name):.2f}"
+        for name in CALIBRATED
+    )
 
 
 def _verdict(v: dict[str, float]) -> str:
@@ -294,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r.row.source:16s} {r.row.label:45s} {r.row.gpu:15s} published {r.row.published:8.2f} "
               f"predicted {r.predicted:8.2f} ({r.error_pct:+.1f} %) {r.bound_by}")  # fmt: skip
-    text = report(results, time.perf_counter() - started)
+    installed = predict_rows(rows, recorded, own_torch=False)
+    text = report(results, time.perf_counter() - started, installed)
     print(text)
     if args.json is not None:
         data: dict[str, Any] = {

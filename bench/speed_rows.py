@@ -30,6 +30,8 @@ class Source:
     key: str
     citation: str
     setup: str
+    #: the PyTorch the source ran (its streaming kernels' elements per thread follow it)
+    torch: str
 
 
 SOURCES = {
@@ -40,6 +42,7 @@ SOURCES = {
         "bert-large-uncased sequence classification, 512 dummy sequences of 512 tokens, one epoch of "
         "the HF Trainer (AdamW of transformers, weight decay 0, gradient clipping at 1.0, eager "
         "attention); Tesla V100-SXM2-16GB, driver 460.91, CUDA 11.2; `train_samples_per_second`",
+        torch="1.x",  # the docs of January 2022 do not say which 1.x; every 1.x loads 4
     ),
     "lambda-resnet50": Source(
         "lambda-resnet50",
@@ -48,6 +51,7 @@ SOURCES = {
         "NVIDIA DeepLearningExamples ResNet-50 v1.5 (PyTorch/Classification/ConvNets) in the NGC "
         "pytorch:22.09 container, synthetic data, SGD with momentum 0.875, `--amp --static-loss-scale 256` "
         "(AMP) or fp32 (cuDNN's default tf32 on Ampere and later); one GPU; images/s",
+        torch="1.13",
     ),
     "timm-3090": Source(
         "timm-3090",
@@ -56,6 +60,7 @@ SOURCES = {
         "timm's benchmark.py train mode: PyTorch 1.12, CUDA 11.3, one RTX 3090, AMP (fp16 autocast), "
         "SGD (timm's: momentum 0.9, Nesterov), cross-entropy, synthetic batch, the CSV's batch size and "
         "image size; NCHW, or channels_last (nhwc file); `train_samples_per_sec`",
+        torch="1.12",
     ),
     "dle-resnext101": Source(
         "dle-resnext101",
@@ -71,6 +76,7 @@ SOURCES = {
         "(A100) and FP32 at 64 (V100), NCHW; DGX A100 40GB and DGX-1 V100 16GB/32GB, one GPU; img/s. "
         "Until this was checked the rows were described as synthetic data: the published figure includes "
         "the DALI (CPU) input pipeline, which memfit does not predict",
+        torch="1.6",
     ),
     "dle-efficientnet": Source(
         "dle-efficientnet",
@@ -85,6 +91,7 @@ SOURCES = {
         "other sources, these runs read ImageNet JPEGs through PyTorch's data loader with AutoAugment "
         "(data_backend pytorch, augmentation autoaugment); memfit predicts the GPU step only, so a loader "
         "that did not keep up makes the published figure lower than the step alone; img/s",
+        torch="1.9",
     ),
 }
 

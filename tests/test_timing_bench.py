@@ -59,6 +59,14 @@ def test_calibration_and_validation_rows_are_apart(bench: None) -> None:
     assert not {(r.source, r.label) for r in calibration} & {(r.source, r.label) for r in validation}
 
 
+def test_each_source_names_the_pytorch_it_ran(bench: None) -> None:
+    from memfit.estimator.kernel_rates import elements_per_thread
+
+    sources = _module("speed_rows").SOURCES
+    # every published row ran PyTorch 1.x: its element-wise kernels load 4 elements a thread
+    assert {elements_per_thread(s.torch) for s in sources.values()} == {4}
+
+
 def test_the_spearman_correlation_and_the_figures(bench: None) -> None:
     speed = _module("predicted_speed")
     assert speed.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)

@@ -13,7 +13,17 @@ from torch import nn
 import memfit
 from memfit.cli import main
 from memfit.estimator.kernel_classes import Classified
-from memfit.estimator.kernel_rates import RATES, SM_COUNT, TILE, KernelClass, gemm_utilisation, sm_count
+from memfit.estimator.kernel_rates import (
+    RATES,
+    RESIDENT_THREADS,
+    SM_COUNT,
+    TILE,
+    KernelClass,
+    elements_per_thread,
+    gemm_utilisation,
+    sm_count,
+    streaming_bandwidth,
+)
 from memfit.estimator.speed import record_step
 from memfit.estimator.timing import DType, Kind, OpCounter, predict
 from memfit.memory.gpus import GPUS, lookup
@@ -129,6 +139,61 @@ def test_memory_bound_kernels_stream_at_the_achievable_bandwidth_by_class() -> N
     for name in ("elementwise", "softmax", "reduction", "optimizer"):
         assert time.by_class[name] == pytest.approx(expected)
     assert time.bound_by in time.by_class
+
+
+def streamed(dtype: DType, gpu_name: str, per_thread: int) -> float:
+    """Seconds of one 1 GB element-wise kernel of ``dtype`` on the card."""
+    counter = OpCounter(step=0)
+    counter.add(Kind.KERNEL, 0, 1e9, dtype, phase="forward")
+    return predict(counter.trace(), lookup(gpu_name), 1, per_thread=per_thread).by_class["elementwise"]
+
+
+def test_a_16_bit_kernel_of_old_pytorch_holds_too_few_bytes_in_flight_on_an_h100() -> None:
+    h100 = lookup("H100 SXM")
+    # by hand: 132 SMs x 2048 threads x 4 elements x 2 bytes / 1.3 us = 1.66 TB/s, below the
+    # 3.35 TB/s x 750/900 = 2.79 TB/s an fp32 kernel (16 bytes a thread) reaches
+    in_flight = 132 * 2048 * 4 * 2 / RATES.latency
+    assert RESIDENT_THREADS[h100.compute_capability] == 2048 and RATES.latency == pytest.approx(1.3e-6)
+    assert in_flight < h100.bandwidth * RATES.stream
+    assert streamed(DType.HALF, "H100 SXM", per_thread=4) == pytest.approx(1e9 / in_flight)
+    assert streamed(DType.SINGLE, "H100 SXM", per_thread=4) == pytest.approx(1e9 / (h100.bandwidth * RATES.stream))
+    assert streaming_bandwidth(h100, 2, 4) == pytest.approx(in_flight)
+    # recent PyTorch loads 8 elements a thread: 16 bytes, enough on this card
+    assert streamed(DType.HALF, "H100 SXM", per_thread=8) == pytest.approx(1e9 / (h100.bandwidth * RATES.stream))
+
+
+def test_bytes_in_flight_follow_the_cards_resident_threads_and_sm_count() -> None:
+    # by hand, 16-bit data, 4 elements a thread (8 bytes), 1.3 us: SMs x threads x 8 / latency
+    cases = {
+        "T4": 40 * 1024 * 8,  # Turing: 1024 threads an SM -> 252 GB/s, below its 267
+        "RTX 3090": 82 * 1536 * 8,  # 1536 threads -> 775 GB/s, just below its 780
+        "A100 80GB SXM": 108 * 2048 * 8,  # 2048 threads -> 1.36 TB/s, well below its 1.70
+    }
+    for name, in_flight in cases.items():
+        gpu = lookup(name)
+        assert RESIDENT_THREADS[gpu.compute_capability] * sm_count(gpu) * 8 == in_flight  # type: ignore[operator]
+        assert streaming_bandwidth(gpu, 2, 4) == pytest.approx(in_flight / RATES.latency)
+        assert streaming_bandwidth(gpu, 2, 4) < gpu.bandwidth * RATES.stream
+        # fp32 holds twice the bytes: each of these cards reaches its achievable bandwidth
+        assert streaming_bandwidth(gpu, 4, 4) == pytest.approx(gpu.bandwidth * RATES.stream)
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [("1.x", 4), ("1.13.1", 4), ("2.0.1+cu118", 4), ("2.6.0", 4), ("2.7.0", 8), ("2.13.0+cpu", 8)],
+)
+def test_elements_per_thread_follow_the_pytorch_version(version: str, expected: int) -> None:
+    assert elements_per_thread(version) == expected
+
+
+def test_tf32_is_fp32_on_a_card_whose_tf32_peak_is_its_fp32_peak() -> None:
+    # RTX 3090: tf32 tensor cores at 35.6 TFLOP/s, the fp32 peak: cuDNN's fp32 kernels, which
+    # read NCHW as it is, are as fast, so no transposes; an A100 (156 vs 19.5) runs tf32
+    rtx3090 = lookup("RTX 3090")
+    assert rtx3090.tf32 == rtx3090.fp32
+    trace = record_step(conv_net(1, False), memfit.Settings(micro_batch_size=16))
+    assert "layout" not in predict(trace, rtx3090, 16, tf32_conv=True).by_class
+    assert predict(trace, A100, 16, tf32_conv=True).by_class["layout"] > 0
 
 
 def test_a_step_of_tiny_kernels_is_bound_by_the_host() -> None:

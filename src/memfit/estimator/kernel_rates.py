@@ -36,11 +36,25 @@ Where each figure comes from (:data:`RATES` holds them; a reader can check each)
   bandwidth, 750 GB/s of the V100's 900 GB/s measured by Jia et al., "Dissecting the NVIDIA
   Volta GPU Architecture via Microbenchmarking" (arXiv:1804.06826, 2018). Depthwise
   convolutions and NCHW<->NHWC transposes run below it (calibrated, as above).
+- **bytes in flight** (Little's law: bandwidth = bytes in flight / latency; Volkov,
+  "Understanding Latency Hiding on GPUs", 2016): a streaming kernel of PyTorch has each
+  thread load a fixed number of *elements* (:func:`elements_per_thread`), so a 16-bit kernel
+  keeps half the bytes of an fp32 one in flight, and a card with many fast SMs may not hold
+  enough to reach its bandwidth (PyTorch pull request 190546 states the mechanism: "the
+  amount of in-flight memory requests per SM" of "thread-based kernels such as the
+  vectorized elementwise kernel"). :func:`streaming_bandwidth` caps a kernel's bandwidth at
+  SMs x resident threads per SM (:data:`RESIDENT_THREADS`) x elements per thread x element
+  bytes / latency; the latency under load is calibrated (above).
 
 >>> round(gemm_utilisation(4096, 4096, 4096, 1, 108), 3)  # 1024 tiles: 9.48 waves in 10
 0.948
 >>> round(gemm_utilisation(8192, 8192, 8192, 1, None), 3)  # no SM count: no wave loss
 1.0
+>>> from memfit.memory.gpus import lookup
+>>> h100 = lookup("H100 SXM")
+>>> # fp16 with 4 elements per thread (PyTorch 1.x) holds too few bytes in flight; fp32 does not
+>>> round(streaming_bandwidth(h100, 2, 4) / 1e12, 2), round(streaming_bandwidth(h100, 4, 4) / 1e12, 2)
+(1.66, 2.79)
 """
 
 from __future__ import annotations
@@ -61,6 +75,9 @@ __all__ = [
     "GEMM_EFFICIENCY",
     "STREAM_EFFICIENCY",
     "sm_count",
+    "RESIDENT_THREADS",
+    "elements_per_thread",
+    "streaming_bandwidth",
     "gemm_utilisation",
     "kernel_seconds",
     "Mode",
@@ -151,6 +168,49 @@ SM_COUNT: dict[str, int] = {
 }
 
 
+#: the most threads resident on one SM, by compute capability (NVIDIA, CUDA C++ Programming
+#: Guide, "Technical Specifications per Compute Capability": 2048 on 6.0-7.0, 8.0, 9.0 and
+#: 10.0; 1024 on 7.5; 1536 on 8.6, 8.9 and 12.0). A capability missing here: 2048.
+RESIDENT_THREADS: dict[tuple[int, int], int] = {
+    (6, 0): 2048,
+    (6, 1): 2048,
+    (7, 0): 2048,
+    (7, 5): 1024,
+    (8, 0): 2048,
+    (8, 6): 1536,
+    (8, 7): 2048,
+    (8, 9): 1536,
+    (9, 0): 2048,
+    (10, 0): 2048,
+    (12, 0): 1536,
+}
+
+
+def elements_per_thread(torch_version: str | None = None) -> int:
+    """Elements each thread of PyTorch's vectorized element-wise CUDA kernel loads per input.
+
+    4 in PyTorch 1.x and 2.0 (``thread_work_size() { return 4; }``,
+    aten/src/ATen/native/cuda/thread_constants.h), the software of every published row
+    ``bench/predicted_speed.py`` checks; 8 in recent PyTorch (``elems_per_thread`` of
+    aten/src/ATen/native/cuda/CUDALoops.cuh: 8, 16 for one-byte data; pull request 154558,
+    May 2025, already refers to it; torch 2.13's headers say 8). Where between the change
+    landed is not pinned down here: from 2.7 on memfit takes 8 (an assumption, stated).
+
+    Args:
+        torch_version: a version string (default: the installed torch's).
+
+    >>> elements_per_thread("1.13.1"), elements_per_thread("2.13.0+cpu")
+    (4, 8)
+    """
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    parts = [int(p) for p in torch_version.split("+")[0].split(".")[:2] if p.isdigit()]
+    major, minor = [*parts, 0, 0][:2]
+    return 8 if (major, minor) >= (2, 7) else 4
+
+
 @dataclass(frozen=True)
 class Rates:
     """The efficiencies of each kernel class (fractions of a peak; see the module).
@@ -161,21 +221,24 @@ class Rates:
 
     gemm_half: float = GEMM_EFFICIENCY
     gemm_fp32: float = GEMM_EFFICIENCY
-    # Fitted 2026-12-02 on the 10 calibration rows (mean squared log error 0.0058). Three
-    # ended at the edge of their grids (tf32 and conv_half at 0.94, grouped at 1.0): the
-    # calibration rows would have them faster still, which no card's cuDNN reaches; read them
-    # as "at least this fast on the RTX 3090 and the A100 SXM", not as measured efficiencies.
+    # Fitted 2026-12-02 on the 10 calibration rows (mean squared log error 0.0011; 0.0058
+    # before the bytes-in-flight cap and the tf32 rule of memfit.estimator.timing._modes).
+    # Two ended at the edge of their grids (tf32 and conv_half at 0.94): the calibration rows
+    # would have them faster still, which no card's cuDNN reaches; read them as "at least
+    # this fast on the RTX 3090 and the A100 SXM", not as measured efficiencies.
     #: tf32 products, matmuls and dense convolutions alike (calibrated)
     tf32: float = 0.94
     #: dense convolutions in 16 bits (calibrated)
     conv_half: float = 0.94
     #: grouped convolutions, as a fraction of the dense rate of their mode (calibrated)
-    grouped: float = 1.0
+    grouped: float = 0.86
     #: depthwise convolutions: fraction of the bandwidth (calibrated)
     depthwise: float = 0.24
     #: cuDNN's NCHW<->NHWC transposes: fraction of the bandwidth (calibrated)
-    layout: float = 0.52
+    layout: float = 0.58
     stream: float = STREAM_EFFICIENCY
+    #: the memory latency under load of Little's law (seconds; calibrated)
+    latency: float = 1.3e-6
 
     def with_values(self, **values: float) -> Rates:
         """These rates with some replaced (the calibration's trials)."""
@@ -190,6 +253,24 @@ RATES = Rates()
 def sm_count(gpu: GPU) -> int | None:
     """The card's SM count: the GPU table's own (``GPU.sms``), else this module's, else None."""
     return gpu.sms or SM_COUNT.get(gpu.name)
+
+
+def streaming_bandwidth(gpu: GPU, element_bytes: int, per_thread: int, rates: Rates = RATES) -> float:
+    """Bytes/s a streaming kernel on ``element_bytes``-wide data reaches on ``gpu``: the
+    achievable share of the peak, or less where too few bytes are in flight (see the module).
+
+    Args:
+        gpu: the card (its bandwidth, SM count and compute capability).
+        element_bytes: the width of the kernel's elements (2 for fp16 and bf16, 4 for fp32).
+        per_thread: elements each thread loads (:func:`elements_per_thread`).
+        rates: the efficiencies (``stream`` and ``latency``).
+    """
+    achievable = gpu.bandwidth * rates.stream
+    sms = sm_count(gpu)
+    if not sms or rates.latency <= 0:
+        return achievable
+    threads = RESIDENT_THREADS.get(gpu.compute_capability, 2048)
+    return min(achievable, sms * threads * per_thread * element_bytes / rates.latency)
 
 
 def gemm_utilisation(m: float, n: float, k: float, batch: float, sms: int | None) -> float:
@@ -238,6 +319,7 @@ def kernel_seconds(
     bandwidth: float,
     rates: Rates,
     utilisation: float = 1.0,
+    streaming: float | None = None,
 ) -> tuple[float, bool]:
     """(seconds, bound by its FLOPs) of one kernel of ``cls``.
 
@@ -250,10 +332,12 @@ def kernel_seconds(
         bandwidth: the card's peak bandwidth in bytes/s.
         rates: the efficiencies.
         utilisation: the tile and wave quantization of a product (:func:`gemm_utilisation`).
+        streaming: bytes/s its memory traffic moves at (default: the achievable share of
+            ``bandwidth``; :func:`streaming_bandwidth` where bytes in flight limit it).
     """
     if cls == KernelClass.CONV_DEPTHWISE:
         return nbytes / (bandwidth * rates.depthwise), False
-    moving = nbytes / (bandwidth * rates.stream)
+    moving = nbytes / (bandwidth * rates.stream if streaming is None else streaming)
     if flops <= 0 or peak <= 0:
         return moving, False
     computing = flops / (peak * _product_rate(cls, mode, rates) * max(utilisation, 1e-3))

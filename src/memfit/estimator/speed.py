@@ -72,6 +72,7 @@ def step_time(
     tf32_conv: bool | None = None,
     trace: OpTrace | None = None,
     rates: Rates = RATES,
+    per_thread: int | None = None,
 ) -> StepTime:
     """Predicted seconds per step and samples/s of ``workload`` at ``settings`` on ``gpu``.
 
@@ -86,6 +87,8 @@ def step_time(
         trace: a step already recorded at these settings' micro-batch (skips the fake step).
         rates: the efficiency of each kernel class (default: memfit's sourced and
             calibrated ones; the calibration of ``bench/predicted_speed.py`` varies them).
+        per_thread: elements each thread of PyTorch's streaming kernels loads (default: the
+            installed torch's; ``bench/predicted_speed.py`` gives the published rows' own).
 
     Raises:
         MemfitError: no micro-batch, a card without peaks (a laptop part), or a precision
@@ -112,4 +115,5 @@ def step_time(
         tf32_matmul=tf32_matmul,
         tf32_conv=tf32_conv,
         rates=rates,
+        per_thread=per_thread,
     )

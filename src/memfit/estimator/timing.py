@@ -17,7 +17,9 @@ and the GPU run it:
   ``torch.set_float32_matmul_precision("high")``, for matmuls; ``torch.backends.cudnn.
   allow_tf32`` for convolutions) at its own; convolutions by kind (dense, grouped,
   depthwise), with cuDNN's NCHW transposes on tensor cores; every other kernel by the bytes
-  it moves at the achievable streaming bandwidth; plus :data:`KERNEL_GAP_SECONDS`.
+  it moves at the achievable streaming bandwidth, or at what its bytes in flight allow
+  (:func:`memfit.estimator.kernel_rates.streaming_bandwidth`: 16-bit kernels of older
+  PyTorch on cards with many SMs); plus :data:`KERNEL_GAP_SECONDS`.
 - **host time**: every ATen operation costs the host :data:`HOST_SECONDS_PER_OP` (Python,
   the dispatcher, autograd, the kernel launch); views and allocations launch no kernel.
 - the host queues kernels ahead of the GPU: a kernel starts when the host has launched it
@@ -61,9 +63,11 @@ from memfit.estimator.kernel_rates import (
     KernelClass,
     Mode,
     Rates,
+    elements_per_thread,
     gemm_utilisation,
     kernel_seconds,
     sm_count,
+    streaming_bandwidth,
 )
 from memfit.memory.gpus import GPU
 from memfit.memory.tracker import current_labels
@@ -451,20 +455,40 @@ class StepTime:
 
 
 class _Card(NamedTuple):
-    """A card as the replay needs it: (mode, peak FLOP/s) by (kind, dtype), bandwidth, SMs, rates."""
+    """A card as the replay needs it: (mode, peak FLOP/s) by (kind, dtype), bandwidth, SMs,
+    rates, and the bytes/s a streaming kernel of each :class:`DType` reaches."""
 
     modes: dict[tuple[int, int], tuple[Mode, float]]
     bandwidth: float
     sms: int | None
     rates: Rates
+    streaming: dict[int, float]
+
+
+#: element bytes of each DType, as a streaming kernel loads them (OTHER: fp32's)
+_ELEMENT_BYTES = {DType.SINGLE: 4, DType.HALF: 2, DType.BFLOAT: 2, DType.OTHER: 4}
+
+
+def _card(gpu: GPU, tf32_matmul: bool, tf32_conv: bool, rates: Rates, per_thread: int) -> _Card:
+    streaming = {
+        int(dtype): streaming_bandwidth(gpu, size, per_thread, rates) for dtype, size in _ELEMENT_BYTES.items()
+    }
+    return _Card(_modes(gpu, tf32_matmul, tf32_conv), gpu.bandwidth, sm_count(gpu), rates, streaming)
 
 
 def _modes(gpu: GPU, tf32_matmul: bool, tf32_conv: bool) -> dict[tuple[int, int], tuple[Mode, float]]:
-    """The arithmetic each product runs in, and its peak: tensor cores where they apply."""
+    """The arithmetic each product runs in, and its peak: tensor cores where they apply.
+
+    tf32 only where its peak is above the fp32 one: on a GeForce Ampere or Ada card (RTX
+    3090: 35.6 TFLOP/s either way) tf32 tensor-core kernels are no faster than fp32 ones, and
+    cuDNN's fp32 kernels read NCHW without the transposes its tensor-core kernels need, so
+    fp32 is what its algorithm search (``torch.backends.cudnn.benchmark``) finds fastest (an
+    assumption; see docs/benchmarks.md for how it was chosen).
+    """
     fp32 = (Mode.FP32, gpu.fp32)
     half = (Mode.HALF, gpu.fp16_tensor) if gpu.fp16_tensor else fp32
     bfloat = (Mode.HALF, gpu.bf16_tensor) if gpu.bf16_tensor else fp32
-    tf32 = (Mode.TF32, gpu.tf32) if gpu.tf32 else fp32
+    tf32 = (Mode.TF32, gpu.tf32) if gpu.tf32 and gpu.tf32 > gpu.fp32 else fp32
     return {
         (Kind.MATMUL, DType.SINGLE): tf32 if tf32_matmul else fp32,
         (Kind.CONV, DType.SINGLE): tf32 if tf32_conv else fp32,
@@ -513,7 +537,10 @@ def _product_seconds(ops: tuple[Any, ...], card: _Card) -> tuple[float, bool, fl
     # DepthwiseConv2d.cu) unless ``ConvParams::use_cudnn_depthwise`` (aten/src/ATen/native/
     # Convolution.cpp) picks cuDNN's depthwise kernels, which channels_last always does.
     transposed = nchw > 0 and mode != Mode.FP32 and cls != KernelClass.CONV_DEPTHWISE
-    layout = 2 * nchw / (card.bandwidth * card.rates.layout) if transposed else 0.0
+    # the transposes are streaming kernels too: slowed as the card's streaming kernels of
+    # their dtype are where bytes in flight limit them (an assumption: cuDNN's own kernels)
+    in_flight = card.streaming[dtype] / (card.bandwidth * card.rates.stream)
+    layout = 2 * nchw / (card.bandwidth * card.rates.layout * in_flight) if transposed else 0.0
     return busy, bound, layout
 
 
@@ -523,7 +550,7 @@ def _replay(ops: OpArrays, card: _Card) -> Replay:
     kernels = 0
     by_class = [0.0] * len(KernelClass)
     for op in zip(*ops):
-        kind, _, nbytes, _, cls = op[:5]
+        kind, _, nbytes, dtype, cls = op[:5]
         host += HOST_SECONDS_PER_OP
         if kind == Kind.NO_KERNEL:
             continue
@@ -533,7 +560,14 @@ def _replay(ops: OpArrays, card: _Card) -> Replay:
         layout = 0.0
         if kind == Kind.KERNEL:
             busy, bound = kernel_seconds(
-                KernelClass(cls), Mode.FP32, 0.0, nbytes, peak=0.0, bandwidth=card.bandwidth, rates=card.rates
+                KernelClass(cls),
+                Mode.FP32,
+                0.0,
+                nbytes,
+                peak=0.0,
+                bandwidth=card.bandwidth,
+                rates=card.rates,
+                streaming=card.streaming[dtype],
             )
         else:
             busy, bound, layout = _product_seconds(op, card)
@@ -565,6 +599,7 @@ def predict(
     tf32_matmul: bool | None = None,
     tf32_conv: bool | None = None,
     rates: Rates = RATES,
+    per_thread: int | None = None,
 ) -> StepTime:
     """The predicted step of ``trace`` on ``gpu`` (see the module for the model).
 
@@ -580,11 +615,15 @@ def predict(
             allow_tf32``).
         rates: the efficiency of each kernel class (default: the sourced and calibrated
             :data:`memfit.estimator.kernel_rates.RATES`).
+        per_thread: elements each thread of PyTorch's streaming kernels loads (default:
+            the installed torch's, :func:`~memfit.estimator.kernel_rates.elements_per_thread`;
+            a published figure of older PyTorch is reproduced with its own).
     """
     default_matmul, default_conv = tf32_settings()
     tf32_matmul = default_matmul if tf32_matmul is None else tf32_matmul
     tf32_conv = default_conv if tf32_conv is None else tf32_conv
-    card = _Card(_modes(gpu, tf32_matmul, tf32_conv), gpu.bandwidth, sm_count(gpu), rates)
+    per_thread = elements_per_thread() if per_thread is None else per_thread
+    card = _card(gpu, tf32_matmul, tf32_conv, rates, per_thread)
     scale = (accumulation or trace.micro_batches) / trace.micro_batches
     fb = _replay(trace.forward_backward, card)
     opt = _replay(trace.optimizer, card)
