@@ -186,9 +186,31 @@ def test_elements_per_thread_follow_the_pytorch_version(version: str, expected: 
     assert elements_per_thread(version) == expected
 
 
-def test_tf32_is_fp32_on_a_card_whose_tf32_peak_is_its_fp32_peak() -> None:
-    # RTX 3090: tf32 tensor cores at 35.6 TFLOP/s, the fp32 peak: cuDNN's fp32 kernels, which
-    # read NCHW as it is, are as fast, so no transposes; an A100 (156 vs 19.5) runs tf32
+def test_a_tf32_convolution_takes_the_faster_of_the_tensor_core_and_the_fp32_kernel() -> None:
+    # one NCHW fp32 convolution moving 1 GB: tf32 tensor cores (0.94 of the tf32 peak) plus
+    # the transposes of its 0.5 GB of activations, or CUDA-core fp32 (0.826 of the fp32 peak)
+    # on NCHW as it is; cuDNN's algorithm search takes the faster
+    def conv(flops: float) -> dict[str, float]:
+        counter = OpCounter(step=0)
+        shape = Classified(KernelClass.CONV_DENSE, nchw=0.5e9)
+        counter.add(Kind.CONV, flops, 1e9, DType.SINGLE, phase="forward", shape=shape)
+        return predict(counter.trace(), A100, 1, tf32_conv=True).by_class
+
+    assert A100.tf32 is not None
+    moving = 1e9 / (A100.bandwidth * RATES.stream)
+    transposes = 2 * 0.5e9 / (A100.bandwidth * RATES.layout)  # fp32: no bytes-in-flight cap on an A100
+    heavy = 1e15  # 1 PFLOP: tf32 (145 TFLOP/s) is far ahead of fp32 (16 TFLOP/s)
+    assert conv(heavy) == pytest.approx(
+        {"conv_dense": heavy / (A100.tf32 * RATES.tf32), "layout": transposes}, rel=1e-9
+    )
+    # 10 GFLOP: fp32 takes 0.62 ms, tf32 0.59 ms (its bytes) + 0.85 ms of transposes
+    medium = 1e10
+    fp32 = medium / (A100.fp32 * RATES.gemm_fp32)
+    assert moving < fp32 < moving + transposes
+    assert conv(medium) == pytest.approx({"conv_dense": fp32})
+    tiny = 1e9  # a 1x1 convolution of few channels: bound by its bytes either way, no transposes
+    assert conv(tiny) == pytest.approx({"conv_dense": moving})
+    # a GeForce card's tf32 peak is its fp32 one: the fp32 kernel wins a real convolution
     rtx3090 = lookup("RTX 3090")
     assert rtx3090.tf32 == rtx3090.fp32
     trace = record_step(conv_net(1, False), memfit.Settings(micro_batch_size=16))

@@ -221,8 +221,9 @@ class Rates:
 
     gemm_half: float = GEMM_EFFICIENCY
     gemm_fp32: float = GEMM_EFFICIENCY
-    # Fitted 2026-12-02 on the 10 calibration rows (mean squared log error 0.0011; 0.0058
-    # before the bytes-in-flight cap and the tf32 rule of memfit.estimator.timing._modes).
+    # Fitted 2026-12-02 on the 10 calibration rows (mean squared log error 0.0009; 0.0058
+    # before the bytes-in-flight cap and a tf32 convolution's fp32 alternative, both in
+    # memfit.estimator.timing).
     # Two ended at the edge of their grids (tf32 and conv_half at 0.94): the calibration rows
     # would have them faster still, which no card's cuDNN reaches; read them as "at least
     # this fast on the RTX 3090 and the A100 SXM", not as measured efficiencies.

@@ -463,6 +463,8 @@ class _Card(NamedTuple):
     sms: int | None
     rates: Rates
     streaming: dict[int, float]
+    #: the fp32 peak of the CUDA cores (a tf32 convolution's alternative)
+    fp32: float
 
 
 #: element bytes of each DType, as a streaming kernel loads them (OTHER: fp32's)
@@ -473,22 +475,15 @@ def _card(gpu: GPU, tf32_matmul: bool, tf32_conv: bool, rates: Rates, per_thread
     streaming = {
         int(dtype): streaming_bandwidth(gpu, size, per_thread, rates) for dtype, size in _ELEMENT_BYTES.items()
     }
-    return _Card(_modes(gpu, tf32_matmul, tf32_conv), gpu.bandwidth, sm_count(gpu), rates, streaming)
+    return _Card(_modes(gpu, tf32_matmul, tf32_conv), gpu.bandwidth, sm_count(gpu), rates, streaming, gpu.fp32)
 
 
 def _modes(gpu: GPU, tf32_matmul: bool, tf32_conv: bool) -> dict[tuple[int, int], tuple[Mode, float]]:
-    """The arithmetic each product runs in, and its peak: tensor cores where they apply.
-
-    tf32 only where its peak is above the fp32 one: on a GeForce Ampere or Ada card (RTX
-    3090: 35.6 TFLOP/s either way) tf32 tensor-core kernels are no faster than fp32 ones, and
-    cuDNN's fp32 kernels read NCHW without the transposes its tensor-core kernels need, so
-    fp32 is what its algorithm search (``torch.backends.cudnn.benchmark``) finds fastest (an
-    assumption; see docs/benchmarks.md for how it was chosen).
-    """
+    """The arithmetic each product runs in, and its peak: tensor cores where they apply."""
     fp32 = (Mode.FP32, gpu.fp32)
     half = (Mode.HALF, gpu.fp16_tensor) if gpu.fp16_tensor else fp32
     bfloat = (Mode.HALF, gpu.bf16_tensor) if gpu.bf16_tensor else fp32
-    tf32 = (Mode.TF32, gpu.tf32) if gpu.tf32 and gpu.tf32 > gpu.fp32 else fp32
+    tf32 = (Mode.TF32, gpu.tf32) if gpu.tf32 else fp32
     return {
         (Kind.MATMUL, DType.SINGLE): tf32 if tf32_matmul else fp32,
         (Kind.CONV, DType.SINGLE): tf32 if tf32_conv else fp32,
@@ -541,6 +536,17 @@ def _product_seconds(ops: tuple[Any, ...], card: _Card) -> tuple[float, bool, fl
     # their dtype are where bytes in flight limit them (an assumption: cuDNN's own kernels)
     in_flight = card.streaming[dtype] / (card.bandwidth * card.rates.stream)
     layout = 2 * nchw / (card.bandwidth * card.rates.layout * in_flight) if transposed else 0.0
+    if transposed and mode == Mode.TF32 and kind == Kind.CONV:
+        # fp32 data has two kinds of cuDNN kernel: tf32 tensor-core ones, on NHWC (the
+        # transposes), and CUDA-core fp32 ones, which read NCHW as it is; cuDNN's algorithm
+        # search (torch.backends.cudnn.benchmark, its heuristics otherwise) takes the faster
+        # for each convolution. On a GeForce card, whose tf32 peak is its fp32 one, that is
+        # mostly the fp32 kernel.
+        alone, alone_bound = kernel_seconds(
+            KernelClass(cls), Mode.FP32, flops, nbytes, peak=card.fp32, bandwidth=card.bandwidth, rates=card.rates
+        )
+        if alone < busy + layout:
+            return alone, alone_bound, 0.0
     return busy, bound, layout
 
 
