@@ -151,12 +151,20 @@ def kernel_classes(gpu: str, *, measure: bool) -> list[dict[str, Any]]:
             row["error_pct"] = 100.0 * (total / seconds - 1)
             row["implied_rate"] = implied_rate(case, total, own, seconds)
         rows.append(row)
-        shown = f"  measured {seconds * 1e3:9.3f} ms  implied {row['implied_rate']:.2f}" if seconds else ""
+        shown = (
+            f"  measured {seconds * 1e3:9.3f} ms  implied {_rate(case.rate, row['implied_rate'])}" if seconds else ""
+        )
         print(
-            f"{case.name:36s} {case.rate:10s} memfit {row['memfit_rate']:.2f}  predicted {total * 1e3:9.3f} ms{shown}",
+            f"{case.name:36s} {case.rate:10s} memfit {_rate(case.rate, row['memfit_rate'])}  "
+            f"predicted {total * 1e3:9.3f} ms{shown}",
             flush=True,
         )
     return rows
+
+
+def _rate(name: str, value: float) -> str:
+    """A rate as the table shows it: the latency in microseconds, an efficiency as a fraction."""
+    return f"{value * 1e6:.2f}us" if name == "latency" else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

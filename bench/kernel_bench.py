@@ -22,7 +22,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.estimator.kernel_rates import RATES, SM_COUNT, TILE, KernelClass
+from memfit.estimator.kernel_rates import (
+    RATES,
+    SM_COUNT,
+    TILE,
+    KernelClass,
+    elements_per_thread,
+    streaming_bandwidth,
+)
 from memfit.estimator.timing import OpCounter, predict
 from memfit.memory.gpus import GPU
 
@@ -94,6 +101,12 @@ def _sgd(device: torch.device) -> Callable[[], Any]:
     return step
 
 
+def _halves_rate(gpu: GPU) -> str:
+    """The rate a 16-bit add measures on ``gpu``: ``latency`` where its bytes in flight bound it."""
+    capped = streaming_bandwidth(gpu, 2, elements_per_thread()) < gpu.bandwidth * RATES.stream
+    return "latency" if capped else "stream"
+
+
 def cases(gpu: GPU) -> list[Case]:
     """The microbenchmarks for ``gpu`` (the wave case sized by its SM count)."""
     sms = SM_COUNT.get(gpu.name, 108)
@@ -119,9 +132,10 @@ def cases(gpu: GPU) -> list[Case]:
             "conv 3x3 depthwise, 16-bit NHWC", "depthwise", KernelClass.CONV_DEPTHWISE, _conv(256, torch.float16, True)
         ),
         # the same bytes in fp32: a thread of PyTorch's element-wise kernel loads a fixed number
-        # of elements, so 16 bits keep half the bytes in flight (Rates.latency caps them); an
-        # implied rate lower for the halves than the floats is that cap measured
-        Case("add, 256M halves", "stream", KernelClass.ELEMENTWISE, _unary(lambda x: x + 1, (1 << 28,))),
+        # of elements, so 16 bits keep half the bytes in flight; where memfit predicts that
+        # too few for the card's bandwidth (Rates.latency caps them) the halves measure the
+        # latency, else the streaming rate as the floats do
+        Case("add, 256M halves", _halves_rate(gpu), KernelClass.ELEMENTWISE, _unary(lambda x: x + 1, (1 << 28,))),
         Case(
             "add, 128M floats",
             "stream",
@@ -186,9 +200,12 @@ def measured(case: Case, repeats: int = 20) -> float:
 
 def implied_rate(case: Case, total: float, in_class: float, seconds: float) -> float:
     """The rate that would make the prediction exact: memfit's rate x predicted / measured,
-    counting only the case's own class (the rest of its predicted time is taken as right)."""
+    counting only the case's own class (the rest of its predicted time is taken as right);
+    the latency, which slows what it caps, x measured / predicted."""
     rate = getattr(RATES, case.rate)
     others = total - in_class
     if seconds <= others or in_class <= 0:
         return float("nan")
+    if case.rate == "latency":
+        return rate * (seconds - others) / in_class
     return rate * in_class / (seconds - others)

@@ -99,3 +99,20 @@ def test_a_foreach_optimizers_in_place_kernels_are_counted() -> None:
     trace = record_step(wl, memfit.Settings(micro_batch_size=8), foreach=True)
     assert sum(trace.optimizer.nbytes) > 10 * (256 * 256 * 4)  # params, grads, two moments: read and written
     assert predict(trace, lookup("A100 80GB SXM"), 8).by_class["optimizer"] > 0
+
+
+def test_the_gpu_check_measures_the_latency_where_bytes_in_flight_bound_the_halves(bench: None) -> None:
+    from memfit.estimator.kernel_rates import RATES, elements_per_thread
+
+    kernels = _module("kernel_bench")
+    assert elements_per_thread() == 8  # the installed torch's: 16 bytes a thread for halves
+    # an H200 (132 SMs, 4.8 TB/s): 132 x 2048 x 16 bytes / 1.3 us = 3.3 TB/s, short of its
+    # 4.0 achievable; an H100 SXM's 2.79 TB/s is not
+    halves = {
+        card: next(c for c in kernels.cases(lookup(card)) if c.name == "add, 256M halves")
+        for card in ("H200", "H100 SXM")
+    }
+    assert halves["H200"].rate == "latency" and halves["H100 SXM"].rate == "stream"
+    # measured twice as long as predicted: the latency would be twice memfit's, the rate half
+    assert kernels.implied_rate(halves["H200"], 1.0, 1.0, 2.0) == pytest.approx(2 * RATES.latency)
+    assert kernels.implied_rate(halves["H100 SXM"], 1.0, 1.0, 2.0) == pytest.approx(RATES.stream / 2)
