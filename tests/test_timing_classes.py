@@ -178,6 +178,15 @@ def test_bytes_in_flight_follow_the_cards_resident_threads_and_sm_count() -> Non
         assert streaming_bandwidth(gpu, 4, 4) == pytest.approx(gpu.bandwidth * RATES.stream)
 
 
+def test_no_elements_per_thread_is_refused_not_divided_by() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        streaming_bandwidth(A100, 2, 0)
+    counter = OpCounter(step=0)
+    counter.add(Kind.KERNEL, 0, 1e9, DType.HALF, phase="forward")
+    with pytest.raises(ValueError, match="at least 1"):
+        predict(counter.trace(), A100, 1, per_thread=0)
+
+
 @pytest.mark.parametrize(
     ("version", "expected"),
     [("1.x", 4), ("1.13.1", 4), ("2.0.1+cu118", 4), ("2.6.0", 4), ("2.7.0", 8), ("2.13.0+cpu", 8)],

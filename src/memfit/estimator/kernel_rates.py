@@ -265,7 +265,12 @@ def streaming_bandwidth(gpu: GPU, element_bytes: int, per_thread: int, rates: Ra
         element_bytes: the width of the kernel's elements (2 for fp16 and bf16, 4 for fp32).
         per_thread: elements each thread loads (:func:`elements_per_thread`).
         rates: the efficiencies (``stream`` and ``latency``).
+
+    Raises:
+        ValueError: an element width or elements per thread below one.
     """
+    if element_bytes < 1 or per_thread < 1:
+        raise ValueError(f"element bytes and elements per thread must be at least 1, not {element_bytes}, {per_thread}")
     achievable = gpu.bandwidth * rates.stream
     sms = sm_count(gpu)
     if not sms or rates.latency <= 0:
