@@ -63,6 +63,7 @@ import math
 from dataclasses import dataclass, replace
 from enum import IntEnum
 
+from memfit.environment.versions import version_tuple
 from memfit.memory.gpus import GPU
 
 __all__ = [
@@ -206,9 +207,7 @@ def elements_per_thread(torch_version: str | None = None) -> int:
         import torch
 
         torch_version = torch.__version__
-    parts = [int(p) for p in torch_version.split("+")[0].split(".")[:2] if p.isdigit()]
-    major, minor = [*parts, 0, 0][:2]
-    return 8 if (major, minor) >= (2, 7) else 4
+    return 8 if version_tuple(torch_version)[:2] >= (2, 7) else 4
 
 
 @dataclass(frozen=True)
