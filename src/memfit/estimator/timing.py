@@ -532,11 +532,13 @@ def _product_seconds(ops: tuple[Any, ...], card: _Card) -> tuple[float, bool, fl
     # DepthwiseConv2d.cu) unless ``ConvParams::use_cudnn_depthwise`` (aten/src/ATen/native/
     # Convolution.cpp) picks cuDNN's depthwise kernels, which channels_last always does.
     transposed = nchw > 0 and mode != Mode.FP32 and cls != KernelClass.CONV_DEPTHWISE
+    if not transposed:
+        return busy, bound, 0.0
     # the transposes are streaming kernels too: slowed as the card's streaming kernels of
     # their dtype are where bytes in flight limit them (an assumption: cuDNN's own kernels)
     in_flight = card.streaming[dtype] / (card.bandwidth * card.rates.stream)
-    layout = 2 * nchw / (card.bandwidth * card.rates.layout * in_flight) if transposed else 0.0
-    if transposed and mode == Mode.TF32 and kind == Kind.CONV:
+    layout = 2 * nchw / (card.bandwidth * card.rates.layout * in_flight)
+    if mode == Mode.TF32 and kind == Kind.CONV:
         # fp32 data has two kinds of cuDNN kernel: tf32 tensor-core ones, on NHWC (the
         # transposes), and CUDA-core fp32 ones, which read NCHW as it is; cuDNN's algorithm
         # search (torch.backends.cudnn.benchmark, its heuristics otherwise) takes the faster
