@@ -131,6 +131,22 @@ def cases(gpu: GPU) -> list[Case]:
         Case(
             "conv 3x3 depthwise, 16-bit NHWC", "depthwise", KernelClass.CONV_DEPTHWISE, _conv(256, torch.float16, True)
         ),
+        # the two kinds behind the bench's largest errors (docs/benchmarks.md): fp32 NCHW
+        # depthwise runs PyTorch's own kernel (DepthwiseConv2d.cu), not cuDNN's, at the same
+        # rate in memfit's model; a grouped convolution of fp32 data on tf32
+        Case(
+            "conv 3x3 depthwise, fp32 NCHW",
+            "depthwise",
+            KernelClass.CONV_DEPTHWISE,
+            _conv(256, torch.float32, False),
+        ),
+        Case(
+            "conv 3x3 32 groups, tf32 NCHW",
+            "grouped",
+            KernelClass.CONV_GROUPED,
+            _conv(32, torch.float32, False),
+            tf32=True,
+        ),
         # the same bytes in fp32: a thread of PyTorch's element-wise kernel loads a fixed number
         # of elements, so 16 bits keep half the bytes in flight; where memfit predicts that
         # too few for the card's bandwidth (Rates.latency caps them) the halves measure the
