@@ -74,7 +74,7 @@ from memfit.estimator.distributed_trace import (
 )
 from memfit.estimator.fake import FakeSteps, Runner
 from memfit.estimator.offload import OffloadRun, offload_step_time, offloaded
-from memfit.estimator.speed import speed_gpu, step_time
+from memfit.estimator.speed import no_speed_reason, speed_card, speed_gpu, step_time
 from memfit.estimator.timing import OpTrace, StepTime
 from memfit.memory import allocator_conf
 from memfit.memory.allocator import CachingAllocatorModel, replay_reserved
@@ -578,7 +578,7 @@ def _traced(request: _Request, way: Way) -> Estimate:
     cache: dict[int, _Prediction] = {}
     # Counting the operations costs a few per cent of a fake run: only where the predicted
     # time may be needed (the given batch, or every batch of a search).
-    card = _speed_card(target, settings) if options.speed else None
+    card = speed_card(target.speed, settings) if options.speed else None
     offload = settings.shard in OFFLOAD_SHARDS
     count = card is not None and target.cuda and not offload
     # under CPU offload the optimizer steps on the CPU, where PyTorch's default is the for-loop
@@ -737,7 +737,7 @@ def _result(shown: _Shown) -> Estimate:
         predicted_samples_per_second=step.samples_per_second if step else None,
         speed_gpu=step.gpu if step else None,
         predicted_time={**step.to_dict(), **(shown.host_time or {})} if step else None,
-        speed_note="" if step else _no_speed_reason(target, settings),
+        speed_note="" if step else no_speed_reason(target.speed, settings),
         compile_note=shown.compile_note,
         allocator=allocator_conf.current().describe(),
         reserved_by_setting=dict(shown.by_setting),
@@ -746,46 +746,6 @@ def _result(shown: _Shown) -> Estimate:
         checkpointed_modules=[path for path, _ in shown.checkpointed],
         checkpointing_saves=shown.checkpointing_saves,
     )
-
-
-def _speed_card(target: Target, settings: Settings) -> GPU | None:
-    """The card whose step time the estimate predicts: the target's, when it has one.
-
-    None without a card (``memory=``), over several ranks (communication is not
-    modelled), or for bf16 on a card without it (:func:`_no_speed_reason` says which).
-    """
-    card = target.speed
-    if card is None or not card.has_peaks or settings.world_size > 1:
-        return None
-    if settings.precision == "bf16" and not card.bf16:
-        return None
-    return card
-
-
-def _no_speed_reason(target: Target, settings: Settings) -> str:
-    """Why :func:`_speed_card` gave none although the target names a card ("" when it
-    names none: then there is nothing to predict for)."""
-    card = target.speed
-    if card is None:
-        return ""
-    if not card.has_peaks:
-        why = (
-            "no fp32= and bandwidth= were given"
-            if card.memory_source == "custom"
-            else "the table has none: a laptop part's clocks depend on the laptop's power limit"
-        )
-        return (
-            f"no peak throughput and bandwidth for the {card.name} ({why}); give them with "
-            "--gpu custom:memory=..,cc=..,fp32=..,bandwidth=.."
-        )
-    if settings.world_size > 1:
-        return (
-            f"no step time for {settings.world_size} ranks: communication is not modelled, "
-            "so one rank's would be too fast"
-        )
-    if settings.precision == "bf16" and not card.bf16:
-        return f"the {card.name} has no bf16"
-    return ""
 
 
 def _answer(child: dict[str, Any]) -> dict[str, Any]:

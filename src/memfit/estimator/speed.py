@@ -23,7 +23,7 @@ from memfit.memory.gpus import GPU, lookup
 from memfit.run.settings import Settings
 from memfit.workload import Workload, load_workload
 
-__all__ = ["step_time", "record_step", "DEFAULT_SPEED_GPU", "speed_gpu"]
+__all__ = ["step_time", "record_step", "DEFAULT_SPEED_GPU", "speed_gpu", "speed_card", "no_speed_reason"]
 
 #: the card whose speed ranks plan's candidates on a simulated GPU that names none
 #: (``sim:8GiB``): the A100 80GB SXM, the card most published training figures use.
@@ -35,6 +35,45 @@ def speed_gpu(gpu: str | GPU | None) -> GPU:
     if isinstance(gpu, GPU):
         return gpu
     return lookup(gpu or DEFAULT_SPEED_GPU)
+
+
+def speed_card(card: GPU | None, settings: Settings) -> GPU | None:
+    """The card whose step time an estimate on ``card`` predicts: ``card``, when it can.
+
+    None without a card (``memory=``), for a card without peaks, over several ranks
+    (communication is not modelled), or for bf16 on a card without it
+    (:func:`no_speed_reason` says which).
+    """
+    if card is None or not card.has_peaks or settings.world_size > 1:
+        return None
+    if settings.precision == "bf16" and not card.bf16:
+        return None
+    return card
+
+
+def no_speed_reason(card: GPU | None, settings: Settings) -> str:
+    """Why :func:`speed_card` gave none although there is a card ("" when there is none:
+    then there is nothing to predict for)."""
+    if card is None:
+        return ""
+    if not card.has_peaks:
+        why = (
+            "no fp32= and bandwidth= were given"
+            if card.memory_source == "custom"
+            else "the table has none: a laptop part's clocks depend on the laptop's power limit"
+        )
+        return (
+            f"no peak throughput and bandwidth for the {card.name} ({why}); give them with "
+            "--gpu custom:memory=..,cc=..,fp32=..,bandwidth=.."
+        )
+    if settings.world_size > 1:
+        return (
+            f"no step time for {settings.world_size} ranks: communication is not modelled, "
+            "so one rank's would be too fast"
+        )
+    if settings.precision == "bf16" and not card.bf16:
+        return f"the {card.name} has no bf16"
+    return ""
 
 
 def record_step(
