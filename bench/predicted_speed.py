@@ -43,12 +43,16 @@ from _results import write_section
 from memfit._io import write_atomically
 from memfit.estimator.kernel_rates import RATES, Rates, elements_per_thread
 from memfit.estimator.speed import record_step, step_time
+from memfit.estimator.speed_accuracy import FILE, Band, SpeedAccuracy
 from memfit.estimator.timing import OpTrace
 from memfit.memory.gpus import lookup
 from speed_rows import ROWS, SOURCES, Row
 from speed_workloads import workload
 
 COMMAND = "python bench/predicted_speed.py"
+#: the validation figures memfit installs and prints beside a predicted step
+#: (memfit.estimator.speed_accuracy)
+ACCURACY = Path(__file__).resolve().parent.parent / "src" / "memfit" / "estimator" / FILE
 #: the calibrated fields of Rates and the grid each is searched on
 CALIBRATED = {
     "tf32": [i / 100 for i in range(10, 96, 2)],
@@ -177,6 +181,20 @@ def figures(results: list[Result]) -> dict[str, float]:
     }
 
 
+def accuracy(results: list[Result]) -> SpeedAccuracy:
+    """The validation rows' figures, overall and by what bounds each predicted step (rounded
+    as the docs print them, so a rerun that changes nothing rewrites the same file)."""
+    validation = [r for r in results if not r.row.calibration]
+
+    def band(mine: list[Result]) -> Band:
+        f = figures(mine)
+        return Band(len(mine), round(f["median_abs_error_pct"], 1), round(f["worst_error_pct"], 1))
+
+    bounds = sorted({r.bound_by for r in validation})
+    by_bound = {name: band([r for r in validation if r.bound_by == name]) for name in bounds}
+    return SpeedAccuracy(band(validation), by_bound, round(figures(validation)["spearman"], 3), COMMAND)
+
+
 def _kind(row: Row) -> str:
     if row.workload.startswith(("resnext", "regnet")):
         return "grouped convolutions"
@@ -270,6 +288,15 @@ def report(results: list[Result], seconds: float, installed: list[Result] | None
         "",
     ]
     lines += _grouped(validation, _kind)
+    lines += [
+        "",
+        "By what bounds the predicted step (validation rows; what `memfit estimate` prints beside a prediction):",
+        "",
+    ]
+    lines += [
+        f"- {name}: {b.rows} rows, median |error| {b.median_abs_error_pct:.1f} %, worst {b.worst_error_pct:+.1f} %"
+        for name, b in accuracy(results).by_bound.items()
+    ]
     for title, key in (("source", _source), ("precision and layout", _mode), ("card", _card)):
         lines += ["", f"By {title} (validation rows):", "", *_grouped(validation, key)]
     lines += [
@@ -346,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomically(args.json, json.dumps(data, indent=2) + "\n")
     if not args.quick:
         write_section("predicted-speed", text)
+        write_atomically(ACCURACY, json.dumps(accuracy(results).to_dict(), indent=2) + "\n")
     return 0
 
 

@@ -307,6 +307,9 @@ def speed_line(result: Estimate) -> str | None:
         if bound == "layout":
             bound = "layout (cuDNN's NCHW<->NHWC transposes: channels_last avoids them)"
         line += f" Bound by {bound}; GPU time by kernel class: {top}."
+    if result.speed_accuracy is not None:
+        text = str(result.speed_accuracy["text"])
+        line += f" Such predictions were {text}."
     if result.target.startswith("sim:") and result.target != f"sim:{result.speed_gpu}":
         line += (
             f" {result.target} names no card: the speed is the {result.speed_gpu}'s; "

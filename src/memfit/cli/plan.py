@@ -23,6 +23,7 @@ from memfit.cli.options import (
     workload_argument,
 )
 from memfit.cli.tables import compact_table, short_rate, short_size, status_legend, status_word
+from memfit.estimator import speed_accuracy
 from memfit.memory.devices import device
 from memfit.search.candidates import Candidate, check_target
 from memfit.search.plan import Plan, plan
@@ -183,9 +184,11 @@ def print_plan(result: Plan) -> None:
         console.print(f"{beaten} candidate(s) beaten by a measured one are not listed (--json lists them).")
     if predicted:
         cpu = "; CPU/s: the CPU's own speed there" if on_cpu else ""
+        bands = speed_accuracy.load()
+        checked = f" Such predictions were {speed_accuracy.describe(bands)}." if bands is not None else ""
         console.print(
             f"pred/s: samples/s predicted on the {result.speed_gpu} (eager PyTorch); "
-            f"the trials ran on {result.device} for memory{cpu}."
+            f"the trials ran on {result.device} for memory{cpu}.{checked}"
         )
         if result.device.startswith("sim:") and result.device != f"sim:{result.speed_gpu}":
             console.print(

@@ -61,7 +61,7 @@ from memfit.cuda.context import fixed_costs as cuda_fixed_costs
 from memfit.cuda.context import resolve_cuda_version
 from memfit.cuda.target import CudaTarget
 from memfit.errors import MemfitError
-from memfit.estimator import sharding
+from memfit.estimator import sharding, speed_accuracy
 from memfit.estimator.breakdown import CATEGORIES, ROLES, Peak, analyze
 from memfit.estimator.distributed_trace import (
     CHILD_CANNOT_LOAD,
@@ -225,6 +225,8 @@ class Estimate(HtmlRepr):
     speed_gpu: str | None = None
     #: where the predicted time goes (seconds: compute, memory, host), and the tf32 settings
     predicted_time: dict[str, Any] | None = None
+    #: the error band of such predictions (:func:`memfit.estimator.speed_accuracy.for_step`)
+    speed_accuracy: dict[str, Any] | None = None
     #: why there is no predicted step on the target's card, when there is a card
     speed_note: str = ""
     #: "estimated as eager: ..." when the workload is torch.compile'd (see memfit.estimator.compiled)
@@ -737,6 +739,7 @@ def _result(shown: _Shown) -> Estimate:
         predicted_samples_per_second=step.samples_per_second if step else None,
         speed_gpu=step.gpu if step else None,
         predicted_time={**step.to_dict(), **(shown.host_time or {})} if step else None,
+        speed_accuracy=speed_accuracy.for_step(step.bound_by) if step else None,
         speed_note="" if step else no_speed_reason(target.speed, settings),
         compile_note=shown.compile_note,
         allocator=allocator_conf.current().describe(),

@@ -107,7 +107,11 @@ def _estimate_html(estimate: Mapping[str, Any]) -> str:
         for name, v in classes.items()
     ]
     bound = str(time.get("bound_by", "")).replace("_", " ") if isinstance(time, Mapping) else ""
-    return page + f"<h3>Predicted time by kernel class (bound by {html.escape(bound)})</h3>" + html_table(rows)
+    page += f"<h3>Predicted time by kernel class (bound by {html.escape(bound)})</h3>" + html_table(rows)
+    band = estimate.get("speed_accuracy")
+    if isinstance(band, Mapping) and band.get("text"):
+        page += f"<p>Such predictions were {html.escape(str(band['text']))}.</p>"
+    return page
 
 
 def report_html(
