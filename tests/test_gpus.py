@@ -233,6 +233,7 @@ PUBLISHED: dict[str, tuple[tuple[int, int], int]] = {
     "RTX 2080": ((7, 5), 8),
     "RTX 2080 Super": ((7, 5), 8),
     "Titan RTX": ((7, 5), 24),
+    "Quadro RTX 8000": ((7, 5), 48),
     "GTX 1650": ((7, 5), 4),
     "GTX 1650 Super": ((7, 5), 4),
     "GTX 1660": ((7, 5), 6),

@@ -112,6 +112,10 @@ _TURING_DERIVED = (
     "NVIDIA product page (CUDA cores, boost clock, memory, bandwidth) x the per-SM rates of the Turing "
     "whitepaper (64 fp32 FMA; on GeForce 256 fp16-tensor FMA with fp32 accumulate per SM per clock)"
 )
+_QUADRO_RTX_8000 = (
+    "NVIDIA Quadro RTX 8000 datasheet (48 GB GDDR6 at 672 GB/s, 16.3 fp32 TFLOPS, 130.5 tensor TFLOPS); the "
+    "TU102 of the Turing whitepaper's Quadro RTX 6000 (72 SMs, 1770 MHz boost, fp32 accumulate at the full rate)"
+)
 _TITAN_RTX = (
     "NVIDIA TITAN RTX product page (4608 CUDA cores, 1770 MHz boost, 24 GB at 672 GB/s, 130 tensor TFLOPS: "
     "fp32 accumulate at the full rate, as on the Quadro RTX 6000 of the Turing whitepaper)"
@@ -349,6 +353,8 @@ GPUS: tuple[GPU, ...] = (
           **_turing(48, 1.815), bandwidth=496, source=_TURING_DERIVED),
     _card("Titan RTX", _spec(24), (7, 5), "turing", "spec", ("NVIDIA TITAN RTX",),
           **_turing(72, 1.770, tensor=1024), bandwidth=672, source=_TITAN_RTX),
+    _card("Quadro RTX 8000", _spec(48), (7, 5), "turing", "spec", ("NVIDIA Quadro RTX 8000",),
+          **_turing(72, 1.770, tensor=1024), bandwidth=672, source=_QUADRO_RTX_8000),
     # GTX 16 (Turing without tensor cores: fp16 matmuls are timed at the fp32 peak). The GTX
     # 1650 is the GDDR5 card; its GDDR6 version (192 GB/s, 1590 MHz) prints the same name.
     _card("GTX 1650", _spec(4), (7, 5), "turing", "spec", ("NVIDIA GeForce GTX 1650",),
