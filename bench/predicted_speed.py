@@ -1,7 +1,7 @@
 """Predicted training speed against published real-GPU throughput, by kernel class.
 
-Each row (``bench/speed_rows.py``: 62 published single-GPU training throughputs from 5
-sources, 11 cards) reproduces a published measurement as a workload
+Each row (``bench/speed_rows.py``: 68 published single-GPU training throughputs from 5
+sources, 13 cards) reproduces a published measurement as a workload
 (``bench/speed_workloads.py``: the model built from its config with random weights, the
 batch, precision, layout, accumulation, checkpointing and optimizer the source used) and
 compares ``memfit.estimator.speed.step_time`` (fake tensors, no GPU) with the published

@@ -7,9 +7,11 @@ timm's RTX 3090 rows of four CNNs, one per convolution kind and layout (ResNet-5
 ResNeXt-50 grouped, EfficientNet-B0 and MobileNetV2 depthwise; NCHW and NHWC), and
 Lambda's two A100 80GB SXM ResNet-50 rows (AMP, and fp32 on tf32). Every other row is a
 **validation** row: other models of timm's CSVs (ResNet-18/34/101/152, ResNeXt-101,
-ConvNeXt, Swin, ViT, RegNetY), other cards (Lambda's eight others), other sources
+ConvNeXt, Swin, ViT, RegNetY), other cards (Lambda's eleven others), other sources
 (NVIDIA DeepLearningExamples' ResNeXt-101 and EfficientNet-B0 tables, the Hugging Face
-BERT rows). No row has moved between the sets since the split was first stated.
+BERT rows). No row has moved between the sets since the split was first stated; six
+validation rows were added later (2026-12-02: Lambda's V100 16GB, A10 and Quadro RTX 8000,
+AMP and fp32), before their predictions were seen, and every one is kept.
 Two sources measured whole training runs on ImageNet JPEGs (DeepLearningExamples' ResNeXt-101
 through DALI on the CPU, EfficientNet-B0 through PyTorch's loader with AutoAugment): their
 figures include an input pipeline that memfit does not predict; they stay validation rows,
@@ -21,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import memfit
+from memfit.memory.gpus import lookup
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,11 @@ SOURCES = {
         "Lambda GPU benchmarks, lambdal/deeplearning-benchmark: pytorch/pytorch-train-throughput-fp16.csv "
         "and -fp32.csv (throughput), pytorch-train-bs-*.csv and scripts/config_v1 (batch sizes)",
         "NVIDIA DeepLearningExamples ResNet-50 v1.5 (PyTorch/Classification/ConvNets) in the NGC "
-        "pytorch:22.09 container, synthetic data, SGD with momentum 0.875, `--amp --static-loss-scale 256` "
-        "(AMP) or fp32 (cuDNN's default tf32 on Ampere and later); one GPU; images/s",
+        "pytorch:22.09 container, synthetic data, NCHW, `--amp --static-loss-scale 256` (AMP) or fp32 "
+        "(cuDNN's default tf32 on Ampere and later); one GPU; images/s. The results logs' PARAMETER lines "
+        "(results/*_v1/PyTorch_resnet50_*) say SGD with momentum 0.9 and weight decay 1e-4 (not on batch "
+        "norm); the rows run momentum 0.875 without weight decay (the same kernels but one small one a "
+        "parameter)",
         torch="1.13",
     ),
     "timm-3090": Source(
@@ -152,12 +158,21 @@ _LAMBDA = [
     ("A100 80GB SXM", 1280, 1582, 640, 1066),
     ("H100 PCIe", 1280, 1866, 640, 1197),
     ("H100 SXM", 1280, 2616, 640, 1753),
+    # Added 2026-12-02, before their predictions were seen, as validation rows: the CSVs' other
+    # single-GPU rows. Batches: the bs CSVs (V100 16GB: 256 and 128; Quadro RTX 8000: 928 and
+    # 496) and, for the A10, which the bs CSVs lack, its own logs (results/LambdaCloud_A10_v1:
+    # batch_size 448 and 224). "LambdaCloud V100 16GB" is taken as the SXM2 card, which the
+    # logs do not name (the PCIe card's peaks are 10 % lower): an assumption.
+    ("V100 SXM2 16GB", 256, 833, 128, 369),
+    ("A10", 448, 638, 224, 349),
+    ("Quadro RTX 8000", 928, 651, 496, 274),
 ]
 for _gpu, _b16, _ips16, _b32, _ips32 in _LAMBDA:
     _cal = _gpu == "A100 80GB SXM"
+    _fp32 = "fp32 (tf32)" if lookup(_gpu).tf32 else "fp32"
     ROWS.append(Row("lambda-resnet50", f"{_gpu}, AMP, batch {_b16}", _gpu, "resnet50/dle", S(_b16, "fp16"), _ips16,
                     tf32_matmul=True, tf32_conv=True, calibration=_cal))  # fmt: skip
-    ROWS.append(Row("lambda-resnet50", f"{_gpu}, fp32 (tf32), batch {_b32}", _gpu, "resnet50/dle", S(_b32), _ips32,
+    ROWS.append(Row("lambda-resnet50", f"{_gpu}, {_fp32}, batch {_b32}", _gpu, "resnet50/dle", S(_b32), _ips32,
                     tf32_matmul=True, tf32_conv=True, calibration=_cal))  # fmt: skip
 
 # timm's RTX 3090 training CSVs (PyTorch 1.12): (model in timm, our family, batch, NCHW img/s,
