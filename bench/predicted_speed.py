@@ -1,6 +1,6 @@
 """Predicted training speed against published real-GPU throughput, by kernel class.
 
-Each row (``bench/speed_rows.py``: 68 published single-GPU training throughputs from 5
+Each row (``bench/speed_rows.py``: 116 published single-GPU training throughputs from 6
 sources, 13 cards) reproduces a published measurement as a workload
 (``bench/speed_workloads.py``: the model built from its config with random weights, the
 batch, precision, layout, accumulation, checkpointing and optimizer the source used) and
@@ -211,6 +211,8 @@ def _source(row: Row) -> str:
 
 def _mode(row: Row) -> str:
     layout = "NHWC" if "/nhwc/" in row.workload else "NCHW"
+    if row.workload.startswith("bert-squad") and row.workload.endswith("fp16"):
+        return f"fp16, {layout}"  # APEX O2: an fp16 model, settings in fp32
     if row.settings.precision != "fp32":
         return f"{row.settings.precision}, {layout}"
     return f"{'tf32' if row.tf32_conv else 'fp32'}, {layout}"

@@ -59,6 +59,22 @@ SOURCES = {
         "parameter)",
         torch="1.13",
     ),
+    "lambda-bert": Source(
+        "lambda-bert",
+        "Lambda GPU benchmarks, lambdal/deeplearning-benchmark: the bert_base_squad and bert_large_squad "
+        "columns of pytorch/pytorch-train-throughput-fp16.csv and -fp32.csv (throughput), pytorch-train-bs-*.csv "
+        "and scripts/config_v1 (batch sizes), scripts/benchmark_pytorch.sh",
+        "NVIDIA DeepLearningExamples BERT (PyTorch/LanguageModeling/BERT) `scripts/run_squad.sh` in the NGC "
+        "pytorch:22.09 container: SQuAD v1.1 fine-tuning of BERT-base or -large (`run_squad.py`), "
+        "sequences of 384 tokens, 100 steps (`max_steps`), one GPU; `training_sequences_per_second` = "
+        "batch x 100 / the time of the loop, which runs 101 steps and includes the first (so the figure is "
+        "a few per cent below the steady state memfit predicts). fp16: APEX amp O2 with apex's FusedAdam "
+        "and dynamic loss scaling; fp32: the script's BertAdam; both clip the gradients to norm 1.0. fp32 on "
+        "Ampere and later is taken as tf32 matmuls (NGC's containers turn tf32 on for cuBLAS through "
+        "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE, not checked here; the CSVs' fp32 rows on an A100 run at half "
+        "their fp16 ones, BERT-large 75 against 152 sequences/s, which fp32 at 19.5 of 312 TFLOP/s could not)",
+        torch="1.13",
+    ),
     "timm-3090": Source(
         "timm-3090",
         "timm (huggingface/pytorch-image-models) results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv "
@@ -223,3 +239,31 @@ for _gpu, _b16, _amp, _b32, _full in (("A100 80GB SXM", 256, 2489.0, 256, 1078.0
                     S(_b16, "fp16"), _amp, tf32_matmul=_tf32, tf32_conv=_tf32))  # fmt: skip
     ROWS.append(Row("dle-efficientnet", f"{_gpu}, {'TF32' if _tf32 else 'FP32'}, batch {_b32}", _gpu,
                     "efficientnet_b0/dle-rmsprop", S(_b32), _full, tf32_matmul=_tf32, tf32_conv=_tf32))  # fmt: skip
+
+# Lambda's BERT SQuAD rows (added 2026-12-02, before their predictions were seen, as validation
+# rows; every single-GPU card of the CSVs but the duplicate LambdaCloud H100 PCIe and the three
+# vendors' H100 SXM systems): (GPU, fp16 base batch, seq/s, fp16 large batch, seq/s, fp32 base
+# batch, seq/s, fp32 large batch, seq/s). Batches from the bs CSVs; the A10 (not in them) with
+# the 24 GB config, which its ResNet-50 logs show it ran; the H100 SXM (not in them) with the
+# 80 GB config, as its ResNet-50 rows.
+_LAMBDA_BERT = [
+    ("Quadro RTX 8000", 192, 146, 64, 50, 96, 41, 32, 12),
+    (V100, 48, 189, 16, 57, 24, 42, 8, 12),
+    ("RTX 3090", 96, 172, 28, 52, 48, 85, 16, 24),
+    ("A10", 96, 135, 28, 42, 48, 70, 16, 19),
+    ("A100 40GB", 160, 368, 48, 117, 80, 179, 28, 53),
+    ("A100 80GB PCIe", 320, 415, 112, 140, 172, 224, 64, 70),
+    ("A100 80GB SXM", 320, 443, 112, 152, 172, 239, 64, 75),
+    ("RTX 6000 Ada", 192, 255, 64, 79, 96, 136, 32, 44),
+    ("RTX A6000", 192, 198, 64, 68, 96, 101, 32, 33),
+    ("RTX 4090", 96, 297, 28, 93, 48, 137, 16, 44),
+    ("H100 PCIe", 320, 567, 112, 203, 172, 292, 64, 97),
+    ("H100 SXM", 320, 812, 112, 301, 172, 408, 64, 141),
+]
+for _gpu, *_figures in _LAMBDA_BERT:
+    _runs = zip(("fp16", "fp16", "fp32", "fp32"), ("base", "large", "base", "large"), _figures[0::2], _figures[1::2])
+    for _precision, _size, _batch, _seqs in _runs:
+        _how = "fp16 (APEX O2)" if _precision == "fp16" else ("fp32 (tf32)" if lookup(_gpu).tf32 else "fp32")
+        # S(...) in fp32: APEX O2 makes the model fp16 itself, without autocast
+        ROWS.append(Row("lambda-bert", f"{_gpu}, BERT-{_size}, {_how}, batch {_batch}", _gpu,
+                        f"bert-squad {_size} {_precision}", S(_batch), _seqs, tf32_matmul=True))  # fmt: skip

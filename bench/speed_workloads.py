@@ -216,11 +216,102 @@ def bert_large_classifier(optimizer: str = "adamw") -> Workload:
     )
 
 
+class ApexO2Adam(torch.optim.Optimizer):
+    """APEX amp's O2 with apex's FusedAdam, as DeepLearningExamples' ``run_squad.py`` ran them
+    (``amp.initialize(model, FusedAdam(...), opt_level="O2", loss_scale="dynamic")``): the model
+    in fp16, fp32 master copies of its parameters; each step the fp16 gradients become fp32
+    master gradients, unscaled with the overflow check (a read on the host), clipped to norm 1.0
+    (the script's ``GradientClipper``, multi-tensor), the masters stepped by a multi-tensor Adam,
+    and copied back into the fp16 model. apex's multi-tensor kernels are PyTorch's foreach ones
+    here (the same bytes; a launch a list instead of a launch a chunk). A stand-in for the cost:
+    the step is always taken, where apex skips one on an overflow (now and then, as the
+    dynamic scale grows)."""
+
+    def __init__(self, params: Any, lr: float = 3e-5, loss_scale: float = 2.0**16) -> None:
+        super().__init__(list(params), {"lr": lr})
+        model = [p for group in self.param_groups for p in group["params"]]
+        self.masters = [p.detach().float() for p in model]
+        self.adam = torch.optim.Adam(self.masters, lr=lr, foreach=True)
+        self.inv_scale = 1.0 / loss_scale
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        pairs = [
+            (p, m) for group in self.param_groups for p, m in zip(group["params"], self.masters) if p.grad is not None
+        ]
+        for p, m in pairs:
+            m.grad = p.grad.float()
+        grads = [m.grad for _, m in pairs]
+        found = torch.zeros(1, device=grads[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, found, torch.full((1,), self.inv_scale, device=found.device)
+        )
+        found.item()  # apex reads the overflow flag on the host before stepping
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+        torch._foreach_mul_(grads, torch.clamp(1.0 / (total + 1e-6), max=1.0))
+        self.adam.step()
+        torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+
+
+def bert_squad(size: str, precision: str) -> Workload:
+    """DeepLearningExamples' BERT SQuAD fine-tuning as Lambda ran it (``run_squad.py``, NGC
+    pytorch:22.09): ``BertForQuestionAnswering`` of BERT-base or -large, the vocabulary padded
+    to a multiple of 8 (30528), sequences of 384 tokens, the loss the mean of the start and end
+    cross-entropies. fp16: APEX O2 (:class:`ApexO2Adam`: an fp16 model, no autocast). fp32:
+    the script's ``BertAdam`` (a per-parameter loop, as ``AdamW(foreach=False)`` runs one) after
+    the ``GradientClipper``. transformers' BERT stands in for the script's ``modeling.py`` (the
+    same products; its fused bias-GeLU and apex LayerNorm are one kernel each, as
+    transformers' GeLU and LayerNorm are; eager attention)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    dims = {"base": (768, 12, 12, 3072), "large": (1024, 24, 16, 4096)}[size]
+    hidden, layers, heads, inner = dims
+    config = transformers.BertConfig(
+        vocab_size=30528,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=inner,
+    )
+    config._attn_implementation = "eager"
+    half = precision == "fp16"
+
+    def model() -> nn.Module:
+        m = transformers.BertForQuestionAnswering(config)
+        return m.half() if half else m
+
+    def make_batch(n: int) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.randint(100, 30000, (n, 384)),
+            "token_type_ids": torch.randint(0, 2, (n, 384)),
+            "attention_mask": torch.ones(n, 384, dtype=torch.long),
+            "start_positions": torch.randint(0, 384, (n,)),
+            "end_positions": torch.randint(0, 384, (n,)),
+        }
+
+    if half:
+        optimizer: Any = lambda params: ApexO2Adam(params)  # noqa: E731
+    else:
+        optimizer = trainer_style(torch.optim.AdamW, 1.0, lr=3e-5, weight_decay=0.01, foreach=False)
+    return Workload(
+        model=model,
+        make_batch=make_batch,
+        loss=lambda m, batch: m(**batch).loss,
+        optimizer=optimizer,
+        name=f"bert-{size} SQuAD, seq 384, {'APEX O2 fp16' if half else 'fp32'}",
+    )
+
+
 def workload(key: str) -> Workload:
-    """The workload a row names: ``bert-large adamw``, ``bert-large adafactor``, or
+    """The workload a row names: ``bert-large adamw``, ``bert-large adafactor``,
+    ``bert-squad base|large fp16|fp32``, or
     ``FAMILY[/nhwc]/timm|dle|dle-rmsprop`` (timm: SGD 0.9 Nesterov; dle: SGD 0.875;
     dle-rmsprop: DeepLearningExamples' EfficientNet recipe, RMSprop with momentum 0.9 and
     label smoothing 0.1)."""
+    if key.startswith("bert-squad"):  # bert-squad SIZE PRECISION
+        _, size, precision = key.split()
+        return bert_squad(size, precision)
     if key.startswith("bert-large"):
         return bert_large_classifier(key.split()[1])
     family, *rest = key.split("/")

@@ -116,3 +116,28 @@ def test_the_gpu_check_measures_the_latency_where_bytes_in_flight_bound_the_halv
     # measured twice as long as predicted: the latency would be twice memfit's, the rate half
     assert kernels.implied_rate(halves["H200"], 1.0, 1.0, 2.0) == pytest.approx(2 * RATES.latency)
     assert kernels.implied_rate(halves["H100 SXM"], 1.0, 1.0, 2.0) == pytest.approx(RATES.stream / 2)
+
+
+def test_the_apex_o2_stand_in_steps_fp32_masters_and_copies_them_into_the_fp16_model(bench: None) -> None:
+    # bench/speed_workloads.py's APEX O2 (the Lambda BERT rows): on real tensors, a step moves
+    # the fp32 masters as Adam does on the unscaled, clipped gradients, and the fp16 model
+    # holds the masters rounded to fp16
+    o2 = _module("speed_workloads").ApexO2Adam
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    before = [p.detach().clone() for p in model.parameters()]
+    reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = o2(model.parameters(), lr=1e-2, loss_scale=8.0)
+    x = torch.randn(16, 8)
+    loss = model(x.half()).float().square().sum() * 8.0  # the loss scaled as O2 scales it
+    loss.backward()
+    grads = [p.grad.float() / 8.0 for p in model.parameters()]
+    total = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    for r, g in zip(reference, grads):
+        r.grad = g * min(1.0, 1.0 / (total.item() + 1e-6))
+    torch.optim.Adam(reference, lr=1e-2).step()
+    opt.step()
+    for p, m, r in zip(model.parameters(), opt.masters, reference):
+        assert torch.allclose(m, r.detach(), atol=1e-6)
+        assert p.dtype == torch.float16 and torch.equal(p.detach(), m.half())
+    assert not all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))  # it moved
