@@ -210,12 +210,17 @@ def _source(row: Row) -> str:
 
 
 def _mode(row: Row) -> str:
+    """The arithmetic and layout a row ran: tf32 only where the card has it, no layout for
+    models without convolutions but a patch embedding."""
     layout = "NHWC" if "/nhwc/" in row.workload else "NCHW"
+    if row.workload.startswith(("bert", "vit", "swin")):
+        layout = "transformer"
     if row.workload.startswith("bert-squad") and row.workload.endswith("fp16"):
         return f"fp16, {layout}"  # APEX O2: an fp16 model, settings in fp32
     if row.settings.precision != "fp32":
         return f"{row.settings.precision}, {layout}"
-    return f"{'tf32' if row.tf32_conv else 'fp32'}, {layout}"
+    tf32 = (row.tf32_conv or row.tf32_matmul) and lookup(row.gpu).tf32 is not None
+    return f"{'tf32' if tf32 else 'fp32'}, {layout}"
 
 
 def _card(row: Row) -> str:
