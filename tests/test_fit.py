@@ -70,6 +70,7 @@ def test_fit_writes_a_lock_and_a_report_that_agree_with_the_plan(tmp_path):
     # the predicted speed of the chosen settings on the simulated GPU's card, in the summary
     predicted = f"{chosen.predicted_samples_per_second:,.1f} samples/s"
     assert f"Predicted speed on the {result.plan.speed_gpu}: {predicted}" in "\n".join(result.summary())
+    assert "Such predictions were checked against" in "\n".join(result.summary())  # with the bench's error band
     assert f"two optimizer steps at micro-batch {chosen.settings.micro_batch_size}, {chosen.settings.precision}" in page
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import MemfitError, WorkloadError
+from memfit.estimator import speed_accuracy
 from memfit.memory.devices import Device
 from memfit.memory.devices import device as make_device
 from memfit.run.measure import Measurement
@@ -128,9 +129,11 @@ class FitResult:
         if self.plan.ranked_by != "predicted" or best is None or not best.predicted_samples_per_second:
             return None
         seconds = f", {best.predicted_seconds_per_step:.3g} s per step" if best.predicted_seconds_per_step else ""
+        bands = speed_accuracy.load()
+        checked = f" Such predictions were {speed_accuracy.describe(bands)}." if bands is not None else ""
         return (
             f"Predicted speed on the {self.plan.speed_gpu}: {best.predicted_samples_per_second:,.1f} samples/s"
-            f"{seconds} at the chosen settings."
+            f"{seconds} at the chosen settings.{checked}"
         )
 
 
