@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from memfit.environment.envfile import Fingerprint, GpuFingerprint, fingerprint
 from memfit.errors import MemfitError
 from memfit.run.settings import Settings
 from memfit.search.lock import Lock, Measured, check_lock, load_lock, write_lock
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 HERE = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.13.0+cpu", gpus=())
 A100 = GpuFingerprint("NVIDIA A100-SXM4-80GB", 85_000_000_000, "8.0")
@@ -200,14 +204,6 @@ def test_check_reads_the_lock_and_this_machine_without_importing_torch(tmp_path)
 
 # -- every field checked: a lock memfit could not have written is never a match (issue 21) --
 
-BASE_FIELDS = {
-    "schema": '"memfit.lock"',
-    "schema_version": "1",
-    "workload": '{ ref = "mlp" }',
-    "settings": "{ micro_batch_size = 8 }",
-    "target": "{ batch_size = 8 }",
-    "environment": '{ schema = "memfit.environment", schema_version = 1, python = "3.11.7", os = "Linux" }',
-}
 ENV = 'schema = "memfit.environment", schema_version = 1, os = "Linux"'
 DAMAGED_FIELDS = [
     ({"settings": "{ micro_batch_size = 8.5 }"}, "settings.micro_batch_size must be a whole number"),
@@ -260,7 +256,14 @@ DAMAGED_FIELDS = [
 
 
 def lock_text(**changes: str) -> str:
-    return "".join(f"{key} = {value}\n" for key, value in {**BASE_FIELDS, **changes}.items())
+    """The base lock of bench/fault_injection.py's damaged-lock cases (one base for both:
+    micro 8 x 1 x 1 = target 8), with ``changes``."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from fault_injection import _lock_text
+    finally:
+        sys.path.remove(str(BENCH))
+    return _lock_text(**changes)
 
 
 @pytest.mark.parametrize(("changes", "message"), DAMAGED_FIELDS, ids=[m for _, m in DAMAGED_FIELDS])
