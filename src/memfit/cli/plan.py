@@ -184,11 +184,9 @@ def print_plan(result: Plan) -> None:
         console.print(f"{beaten} candidate(s) beaten by a measured one are not listed (--json lists them).")
     if predicted:
         cpu = "; CPU/s: the CPU's own speed there" if on_cpu else ""
-        bands = speed_accuracy.load()
-        checked = f" Such predictions were {speed_accuracy.describe(bands)}." if bands is not None else ""
         console.print(
             f"pred/s: samples/s predicted on the {result.speed_gpu} (eager PyTorch); "
-            f"the trials ran on {result.device} for memory{cpu}.{checked}"
+            f"the trials ran on {result.device} for memory{cpu}.{speed_accuracy.sentence()}"
         )
         if result.device.startswith("sim:") and result.device != f"sim:{result.speed_gpu}":
             console.print(

@@ -28,7 +28,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["Band", "SpeedAccuracy", "load", "describe", "for_step", "FILE"]
+__all__ = ["Band", "SpeedAccuracy", "load", "describe", "sentence", "for_step", "FILE"]
 
 #: the data file beside this module, written by ``bench/predicted_speed.py``
 FILE = "speed_accuracy.json"
@@ -122,6 +122,13 @@ def describe(accuracy: SpeedAccuracy, bound_by: str | None = None) -> str:
             f"worst {mine.worst_error_pct:+.1f} %"
         )
     return text + " (docs/benchmarks.md)"
+
+
+def sentence() -> str:
+    """The overall band as a sentence (with its leading space) to append to a line that gives
+    predicted speeds, plan's legend and fit's summary; "" without the installed figures."""
+    table = load()
+    return f" Such predictions were {describe(table)}." if table is not None else ""
 
 
 def for_step(bound_by: str) -> dict[str, Any] | None:

@@ -129,11 +129,9 @@ class FitResult:
         if self.plan.ranked_by != "predicted" or best is None or not best.predicted_samples_per_second:
             return None
         seconds = f", {best.predicted_seconds_per_step:.3g} s per step" if best.predicted_seconds_per_step else ""
-        bands = speed_accuracy.load()
-        checked = f" Such predictions were {speed_accuracy.describe(bands)}." if bands is not None else ""
         return (
             f"Predicted speed on the {self.plan.speed_gpu}: {best.predicted_samples_per_second:,.1f} samples/s"
-            f"{seconds} at the chosen settings.{checked}"
+            f"{seconds} at the chosen settings.{speed_accuracy.sentence()}"
         )
 
 
