@@ -30,6 +30,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,18 +182,24 @@ def figures(results: list[Result]) -> dict[str, float]:
     }
 
 
+def _band(results: list[Result]) -> Band:
+    """Rows, median |error| and worst error of ``results``, rounded as the docs print them (so
+    a rerun that changes nothing rewrites the same speed_accuracy.json)."""
+    f = figures(results)
+    return Band(len(results), round(f["median_abs_error_pct"], 1), round(f["worst_error_pct"], 1))
+
+
+def _bands(results: list[Result], key: Callable[[Result], str]) -> dict[str, Band]:
+    """The band of each value of ``key``, in the order of the values."""
+    values = sorted({key(r) for r in results})
+    return {value: _band([r for r in results if key(r) == value]) for value in values}
+
+
 def accuracy(results: list[Result]) -> SpeedAccuracy:
-    """The validation rows' figures, overall and by what bounds each predicted step (rounded
-    as the docs print them, so a rerun that changes nothing rewrites the same file)."""
+    """The validation rows' figures, overall and by what bounds each predicted step."""
     validation = [r for r in results if not r.row.calibration]
-
-    def band(mine: list[Result]) -> Band:
-        f = figures(mine)
-        return Band(len(mine), round(f["median_abs_error_pct"], 1), round(f["worst_error_pct"], 1))
-
-    bounds = sorted({r.bound_by for r in validation})
-    by_bound = {name: band([r for r in validation if r.bound_by == name]) for name in bounds}
-    return SpeedAccuracy(band(validation), by_bound, round(figures(validation)["spearman"], 3), COMMAND)
+    by_bound = _bands(validation, lambda r: r.bound_by)
+    return SpeedAccuracy(_band(validation), by_bound, round(figures(validation)["spearman"], 3), COMMAND)
 
 
 def _kind(row: Row) -> str:
@@ -227,22 +234,24 @@ def _card(row: Row) -> str:
     return row.gpu
 
 
-def _grouped(results: list[Result], key: Any) -> list[str]:
-    """One line per value of ``key(row)``: rows, median |error|, worst error."""
-    lines = []
-    for value in sorted({key(r.row) for r in results}):
-        mine = figures([r for r in results if key(r.row) == value])
-        lines.append(
-            f"- {value}: {mine['rows']:.0f} rows, median |error| {mine['median_abs_error_pct']:.1f} %, "
-            f"worst {mine['worst_error_pct']:+.1f} %"
-        )
-    return lines
+def _lines(bands: dict[str, Band]) -> list[str]:
+    """One line per band: rows, median |error|, worst error."""
+    return [
+        f"- {value}: {b.rows} rows, median |error| {b.median_abs_error_pct:.1f} %, worst {b.worst_error_pct:+.1f} %"
+        for value, b in bands.items()
+    ]
 
 
-def report(results: list[Result], seconds: float, installed: list[Result] | None = None) -> str:
-    """The docs section; ``installed``: the same rows predicted with the installed torch's
-    streaming kernels instead of their sources' (shown beside, as docs/benchmarks.md asks of a
-    figure improved by reproducing the measured software)."""
+def _grouped(results: list[Result], key: Callable[[Row], str]) -> list[str]:
+    """One line per value of ``key(row)``."""
+    return _lines(_bands(results, lambda r: key(r.row)))
+
+
+def report(results: list[Result], seconds: float, bands: SpeedAccuracy, installed: list[Result] | None = None) -> str:
+    """The docs section; ``bands``: :func:`accuracy` of ``results``; ``installed``: the same
+    rows predicted with the installed torch's streaming kernels instead of their sources'
+    (shown beside, as docs/benchmarks.md asks of a figure improved by reproducing the measured
+    software)."""
     validation = [r for r in results if not r.row.calibration]
     calibration = [r for r in results if r.row.calibration]
     v, c = figures(validation), figures(calibration)
@@ -300,10 +309,7 @@ def report(results: list[Result], seconds: float, installed: list[Result] | None
         "By what bounds the predicted step (validation rows; what `memfit estimate` prints beside a prediction):",
         "",
     ]
-    lines += [
-        f"- {name}: {b.rows} rows, median |error| {b.median_abs_error_pct:.1f} %, worst {b.worst_error_pct:+.1f} %"
-        for name, b in accuracy(results).by_bound.items()
-    ]
+    lines += _lines(bands.by_bound)
     for title, key in (("source", _source), ("precision and layout", _mode), ("card", _card)):
         lines += ["", f"By {title} (validation rows):", "", *_grouped(validation, key)]
     lines += [
@@ -356,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.row.source:16s} {r.row.label:45s} {r.row.gpu:15s} published {r.row.published:8.2f} "
               f"predicted {r.predicted:8.2f} ({r.error_pct:+.1f} %) {r.bound_by}")  # fmt: skip
     installed = predict_rows(rows, recorded, own_torch=False)
-    text = report(results, time.perf_counter() - started, installed)
+    bands = accuracy(results)
+    text = report(results, time.perf_counter() - started, bands, installed)
     print(text)
     if args.json is not None:
         data: dict[str, Any] = {
@@ -380,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomically(args.json, json.dumps(data, indent=2) + "\n")
     if not args.quick:
         write_section("predicted-speed", text)
-        write_atomically(ACCURACY, json.dumps(accuracy(results).to_dict(), indent=2) + "\n")
+        write_atomically(ACCURACY, json.dumps(bands.to_dict(), indent=2) + "\n")
     return 0
 
 
