@@ -9,9 +9,10 @@ Lambda's two A100 80GB SXM ResNet-50 rows (AMP, and fp32 on tf32). Every other r
 **validation** row: other models of timm's CSVs (ResNet-18/34/101/152, ResNeXt-101,
 ConvNeXt, Swin, ViT, RegNetY), other cards (Lambda's eleven others), other sources
 (NVIDIA DeepLearningExamples' ResNeXt-101 and EfficientNet-B0 tables, the Hugging Face
-BERT rows). No row has moved between the sets since the split was first stated; six
-validation rows were added later (2026-12-02: Lambda's V100 16GB, A10 and Quadro RTX 8000,
-AMP and fp32), before their predictions were seen, and every one is kept.
+BERT rows, Lambda's BERT SQuAD rows). No row has moved between the sets since the split was
+first stated; 54 validation rows were added later (2026-12-02: Lambda's V100 16GB, A10 and
+Quadro RTX 8000 ResNet-50 rows, AMP and fp32; Lambda's 48 BERT SQuAD rows), each by a rule
+fixed before their predictions were seen, and every one is kept.
 Two sources measured whole training runs on ImageNet JPEGs (DeepLearningExamples' ResNeXt-101
 through DALI on the CPU, EfficientNet-B0 through PyTorch's loader with AutoAugment): their
 figures include an input pipeline that memfit does not predict; they stay validation rows,
