@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -47,6 +50,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+#: the benchmark scripts, which some tests import
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="session")
+def bench_module() -> Callable[[str], ModuleType]:
+    """Import a script of bench/ by name (bench/ on sys.path while it loads, as the scripts
+    import one another; a test that calls code importing more of bench/ later keeps the path
+    itself, as test_timing_bench.py does)."""
+
+    def load(name: str) -> ModuleType:
+        sys.path.insert(0, str(BENCH))
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(str(BENCH))
+
+    return load
 
 
 @pytest.fixture

@@ -29,13 +29,8 @@ def test_the_quick_subset_of_fault_injection_holds():
     assert done.returncode == 0
 
 
-def test_the_script_has_more_than_400_cases_covering_every_command_and_class():
-    sys.path.insert(0, str(BENCH.parent))
-    try:
-        import fault_injection
-    finally:
-        sys.path.remove(str(BENCH.parent))
-    cases = fault_injection.all_cases(seed=14)
+def test_the_script_has_more_than_400_cases_covering_every_command_and_class(bench_module):
+    cases = bench_module("fault_injection").all_cases(seed=14)
     assert len(cases) >= 400
     commands = {case.argv[0] for case in cases}
     assert {"doctor", "env", "estimate", "measure", "probe", "plan", "fit", "check", "report"} <= commands

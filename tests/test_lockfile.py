@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -15,8 +15,6 @@ from memfit.environment.envfile import Fingerprint, GpuFingerprint, fingerprint
 from memfit.errors import MemfitError
 from memfit.run.settings import Settings
 from memfit.search.lock import Lock, Measured, check_lock, load_lock, write_lock
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 HERE = Fingerprint(python="3.11.7", os="Linux x86_64", torch="2.13.0+cpu", gpus=())
 A100 = GpuFingerprint("NVIDIA A100-SXM4-80GB", 85_000_000_000, "8.0")
@@ -255,19 +253,15 @@ DAMAGED_FIELDS = [
 ]
 
 
-def lock_text(**changes: str) -> str:
+@pytest.fixture(scope="module")
+def lock_text(bench_module: Callable[[str], ModuleType]) -> Callable[..., str]:
     """The base lock of bench/fault_injection.py's damaged-lock cases (one base for both:
-    micro 8 x 1 x 1 = target 8), with ``changes``."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        from fault_injection import _lock_text
-    finally:
-        sys.path.remove(str(BENCH))
-    return _lock_text(**changes)
+    micro 8 x 1 x 1 = target 8), with the changes it is called with."""
+    return bench_module("fault_injection")._lock_text
 
 
 @pytest.mark.parametrize(("changes", "message"), DAMAGED_FIELDS, ids=[m for _, m in DAMAGED_FIELDS])
-def test_a_damaged_field_is_refused_in_one_line_naming_it_and_the_file(tmp_path, run_cli, changes, message):
+def test_a_damaged_field_is_refused_in_one_line_naming_it_and_the_file(tmp_path, run_cli, lock_text, changes, message):
     path = tmp_path / "memfit.lock"
     path.write_text(lock_text(**changes))
     with pytest.raises(MemfitError, match=re.escape(message)):
@@ -280,13 +274,13 @@ def test_a_damaged_field_is_refused_in_one_line_naming_it_and_the_file(tmp_path,
         assert message in lines[0]
 
 
-def test_the_base_of_the_damaged_cases_is_a_lock_memfit_reads(tmp_path):
+def test_the_base_of_the_damaged_cases_is_a_lock_memfit_reads(tmp_path, lock_text):
     path = tmp_path / "memfit.lock"
     path.write_text(lock_text())
     assert load_lock(path).settings.micro_batch_size == 8
 
 
-def test_a_5000_digit_number_is_one_line(tmp_path, run_cli):
+def test_a_5000_digit_number_is_one_line(tmp_path, run_cli, lock_text):
     path = tmp_path / "memfit.lock"
     path.write_text(lock_text(target="{ batch_size = " + "9" * 5000 + " }"))
     status, out, err = run_cli("check", str(path))

@@ -5,9 +5,8 @@ refuses without CUDA and runs its CPU dry run."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,12 +26,8 @@ ROW_KEYS = sorted(
 
 
 @pytest.fixture(scope="module")
-def published() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("published")
-    finally:
-        sys.path.remove(str(BENCH))
+def published(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("published")
 
 
 def test_the_rows_cover_what_the_issue_asks(published: ModuleType) -> None:
@@ -162,12 +157,8 @@ def test_summary_is_median_and_worst_over_the_rows_that_ran(published: ModuleTyp
 
 
 @pytest.fixture(scope="module")
-def gpu_accuracy() -> ModuleType:
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("gpu_accuracy")
-    finally:
-        sys.path.remove(str(BENCH))
+def gpu_accuracy(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("gpu_accuracy")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the path of a machine without CUDA")

@@ -4,11 +4,10 @@ docs/benchmarks.md, and reach `estimate` (text and --json) and `plan`."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -22,12 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def rows() -> Iterator[list[object]]:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        yield importlib.import_module("speed_rows").ROWS
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+def rows(bench_module: Callable[[str], ModuleType]) -> list[object]:
+    return bench_module("speed_rows").ROWS
 
 
 def test_the_installed_figures_are_the_benchs_validation_rows(rows: list[object]) -> None:
