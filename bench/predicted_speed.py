@@ -1,7 +1,7 @@
 """Predicted training speed against published real-GPU throughput, by kernel class.
 
-Each row (``bench/speed_rows.py``: 116 published single-GPU training throughputs from 6
-sources, 13 cards) reproduces a published measurement as a workload
+Each row (``bench/speed_rows.py``: 138 published single-GPU training throughputs from 7
+sources, 15 cards) reproduces a published measurement as a workload
 (``bench/speed_workloads.py``: the model built from its config with random weights, the
 batch, precision, layout, accumulation, checkpointing and optimizer the source used) and
 compares ``memfit.estimator.speed.step_time`` (fake tensors, no GPU) with the published
@@ -47,7 +47,7 @@ from memfit.estimator.speed import record_step, step_time
 from memfit.estimator.speed_accuracy import FILE, Band, SpeedAccuracy
 from memfit.estimator.timing import OpTrace
 from memfit.memory.gpus import lookup
-from speed_rows import ROWS, SOURCES, Row
+from speed_rows import MEASURED_MS, OTHER_PREDICTORS, ROWS, SOURCES, Row
 from speed_workloads import workload
 
 COMMAND = "python bench/predicted_speed.py"
@@ -207,7 +207,7 @@ def _kind(row: Row) -> str:
         return "grouped convolutions"
     if row.workload.startswith(("efficientnet", "mobilenet", "convnext")):
         return "depthwise convolutions"
-    if row.workload.startswith(("vit", "swin", "bert")):
+    if row.workload.startswith(("vit", "swin", "bert", "neusight")):
         return "transformers"
     return "dense convolutions"
 
@@ -220,7 +220,7 @@ def _mode(row: Row) -> str:
     """The arithmetic and layout a row ran: tf32 only where the card has it, no layout for
     models without convolutions but a patch embedding."""
     layout = "NHWC" if "/nhwc/" in row.workload else "NCHW"
-    if row.workload.startswith(("bert", "vit", "swin")):
+    if row.workload.startswith(("bert", "vit", "swin", "neusight")):
         layout = "transformer"
     if row.workload.startswith("bert-squad") and row.workload.endswith("fp16"):
         return f"fp16, {layout}"  # APEX O2: an fp16 model, settings in fp32
@@ -324,7 +324,49 @@ def report(results: list[Result], seconds: float, bands: SpeedAccuracy, installe
             f"{r.row.gpu} | {r.row.published:.2f} | {r.predicted:.2f} | {r.error_pct:+.1f} % | "
             f"{r.bound_by} ({share:.0%}) |"
         )
+    lines += against_others(results)
     return "\n".join(lines)
+
+
+def against_others(results: list[Result]) -> list[str]:
+    """The rows that other predictors were published on (NeuSight's artifact: NeuSight,
+    Habitat and a roofline), each predictor's latency error beside memfit's, and each one's
+    median |error| over those rows. Error = (predicted - measured) / measured, on the step's
+    milliseconds as the artifact reports them (a positive error: predicted slower)."""
+    shared = [r for r in results if r.row.label in OTHER_PREDICTORS and r.row.source == "neusight"]
+    if not shared:
+        return []
+    names = list(OTHER_PREDICTORS[shared[0].row.label])
+
+    def error(predicted_ms: float, measured_ms: float) -> float:
+        return 100.0 * (predicted_ms - measured_ms) / measured_ms
+
+    errors: dict[str, list[float]] = {"memfit": [], **{name: [] for name in names}}
+    table = []
+    for r in shared:
+        measured = MEASURED_MS[r.row.label]
+        mine = error(r.seconds_per_step * 1000, measured)
+        theirs = {name: error(ms, measured) for name, ms in OTHER_PREDICTORS[r.row.label].items()}
+        errors["memfit"].append(abs(mine))
+        for name, e in theirs.items():
+            errors[name].append(abs(e))
+        cells = " | ".join(f"{e:+.1f} %" for e in theirs.values())
+        table.append(f"| {r.row.label} | {measured:.1f} | {r.seconds_per_step * 1000:.1f} ({mine:+.1f} %) | {cells} |")
+    medians = ", ".join(f"{name} {statistics.median(values):.1f} %" for name, values in errors.items())
+    return [
+        "",
+        f"### NeuSight's rows against the predictors its paper compared ({len(shared)} rows)",
+        "",
+        "The same measured steps predicted by memfit (no GPU, none of these rows fitted) and by the "
+        "predictors of NeuSight's artifact (its `scripts/asplos/summary/summary.csv`: NeuSight, trained "
+        "on kernels measured on five other GPUs, the V100 PCIe among them; Habitat, which scales "
+        "kernels measured on one GPU to another; a roofline). Error on the milliseconds of forward "
+        f"and backward; median |error|: {medians}.",
+        "",
+        f"| row | measured ms | memfit ms | {' | '.join(names)} |",
+        "|---|---:|---:|" + "---:|" * len(names),
+        *table,
+    ]
 
 
 def _rates_text(rates: Rates) -> str:

@@ -9,10 +9,11 @@ Lambda's two A100 80GB SXM ResNet-50 rows (AMP, and fp32 on tf32). Every other r
 **validation** row: other models of timm's CSVs (ResNet-18/34/101/152, ResNeXt-101,
 ConvNeXt, Swin, ViT, RegNetY), other cards (Lambda's eleven others), other sources
 (NVIDIA DeepLearningExamples' ResNeXt-101 and EfficientNet-B0 tables, the Hugging Face
-BERT rows, Lambda's BERT SQuAD rows). No row has moved between the sets since the split was
-first stated; 54 validation rows were added later (2026-12-02: Lambda's V100 16GB, A10 and
-Quadro RTX 8000 ResNet-50 rows, AMP and fp32; Lambda's 48 BERT SQuAD rows), each by a rule
-fixed before their predictions were seen, and every one is kept.
+BERT rows, Lambda's BERT SQuAD rows, NeuSight's measured fp32 training steps). No row has
+moved between the sets since the split was first stated; 76 validation rows were added later
+(2026-12-02: Lambda's V100 16GB, A10 and Quadro RTX 8000 ResNet-50 rows, AMP and fp32;
+Lambda's 48 BERT SQuAD rows; NeuSight's 22 training labels), each by a rule fixed before
+their predictions were seen, and every one is kept.
 Two sources measured whole training runs on ImageNet JPEGs (DeepLearningExamples' ResNeXt-101
 through DALI on the CPU, EfficientNet-B0 through PyTorch's loader with AutoAugment): their
 figures include an input pipeline that memfit does not predict; they stay validation rows,
@@ -115,6 +116,24 @@ SOURCES = {
         "(data_backend pytorch, augmentation autoaugment); memfit predicts the GPU step only, so a loader "
         "that did not keep up makes the published figure lower than the step alone; img/s",
         torch="1.9",
+    ),
+    "neusight": Source(
+        "neusight",
+        "NeuSight (Lee et al., 'Forecasting GPU Performance for Deep Learning Training and Inference', "
+        "ASPLOS 2025), its artifact's measured labels: scripts/asplos/label/<GPU>/<model>-train-<seq>-<batch>.json "
+        "(e2e_latency, ms), the models of scripts/asplos/data/DLmodel_configs/, the loop of "
+        "neusight/Tracing/trace.py (measure_e2e); the other predictors' latencies from its "
+        "scripts/asplos/summary/summary.csv",
+        "transformers models built from the artifact's configs (eager attention, dropout on, model.train()): "
+        "BERT-large pre-training heads (AutoModelForPreTraining) at 512 tokens, GPT-2 large at 1024, its "
+        "'GPT3-XL' (GPT-2 code, 3072 wide, 24 layers) and 'GPT3-2.7B' (2560 wide, 32 layers) at 2048, "
+        "OPT-1.3B at 2048; fp32 with tf32 off for matmuls (PyTorch 2.1's default) and convolutions (set by the "
+        "script); input_ids all ones; the latency is CUDA events around the forward plus CUDA events around "
+        "loss.backward() (the cross-entropy over the logits between them is not timed), the mean of the "
+        "fastest 5 of 25 iterations, with no optimizer step and no zero_grad (so each backward adds into the "
+        "gradients the last one left); PyTorch 2.1.0, one GPU (A100 80GB PCIe, H100 SXM, L4, V100 PCIe "
+        "32GB); samples/s = batch / latency",
+        torch="2.1",
     ),
 }
 
@@ -268,3 +287,46 @@ for _gpu, *_figures in _LAMBDA_BERT:
         # S(...) in fp32: APEX O2 makes the model fp16 itself, without autocast
         ROWS.append(Row("lambda-bert", f"{_gpu}, BERT-{_size}, {_how}, batch {_batch}", _gpu,
                         f"bert-squad {_size} {_precision}", S(_batch), _seqs, tf32_matmul=True))  # fmt: skip
+
+# NeuSight's measured training labels (added 2026-12-02, before their predictions were seen,
+# as validation rows). The rule: every single-GPU NVIDIA training label of the artifact
+# (scripts/asplos/label/*/<model>-train-<seq>-<batch>.json, no -dp/-tp/-pp/-fusion), but the
+# Switch Transformer's, whose trace.py replaces transformers' expert forward with one of its
+# own (set_moe) that memfit would have to copy. (GPU, model, sequence, batch, measured ms,
+# and the latencies the paper's predictors gave the same row in summary.csv: NeuSight,
+# Habitat, roofline.) The artifact's device names: NVIDIA_A100_80GB_PCIe,
+# NVIDIA_H100_80GB_HBM3 (the SXM card), NVIDIA_L4, Tesla_V100-PCIE-32GB.
+NEUSIGHT_MODELS = {"bert_large": "BERT-large", "gpt2_large": "GPT-2 large", "gpt3_xl": "GPT3-XL",
+                   "gpt3_27": "GPT3-2.7B", "opt_13": "OPT-1.3B"}  # fmt: skip
+_NEUSIGHT = [
+    ("A100 80GB PCIe", "bert_large", 512, 2, 213.1804, 213.4335, 160.8699, 125.0084),
+    ("A100 80GB PCIe", "bert_large", 512, 8, 716.2194, 719.1108, 168.9611, 494.0697),
+    ("A100 80GB PCIe", "gpt2_large", 1024, 1, 524.0467, 496.5555, 406.3582, 331.7726),
+    ("A100 80GB PCIe", "gpt2_large", 1024, 4, 1635.7427, 1797.518, 732.7012, 1298.930),
+    ("A100 80GB PCIe", "gpt3_27", 2048, 1, 3012.9248, 2946.719, 1897.111, 2151.624),
+    ("A100 80GB PCIe", "gpt3_xl", 2048, 1, 2502.1854, 3200.329, 1656.650, 2195.736),
+    ("A100 80GB PCIe", "opt_13", 2048, 1, 1369.5107, 1499.198, 1204.448, 1064.362),
+    ("A100 80GB PCIe", "opt_13", 2048, 2, 3188.8204, 3062.623, 1791.767, 2120.991),
+    ("H100 SXM", "bert_large", 512, 2, 74.7511, 85.19366, 3995.433, 39.61134),
+    ("H100 SXM", "bert_large", 512, 8, 235.9829, 277.5590, 4050.611, 155.0809),
+    ("H100 SXM", "gpt2_large", 1024, 1, 183.9771, 214.0655, 3855.063, 112.6542),
+    ("H100 SXM", "gpt2_large", 1024, 4, 638.8086, 649.5551, 4013.779, 434.7311),
+    ("H100 SXM", "gpt3_27", 2048, 1, 998.7345, 1014.591, 3973.887, 701.1650),
+    ("H100 SXM", "gpt3_xl", 2048, 1, 933.4368, 944.7892, 2917.934, 692.7705),
+    ("H100 SXM", "opt_13", 2048, 1, 513.2800, 520.8065, 4339.885, 340.3650),
+    ("H100 SXM", "opt_13", 2048, 2, 1015.9247, 1014.534, 4557.317, 676.3676),
+    ("L4", "bert_large", 512, 2, 316.2993, 326.7947, 2324.982, 159.7940),
+    ("L4", "bert_large", 512, 8, 1275.4411, 1076.546, 2303.819, 600.7094),
+    ("L4", "gpt2_large", 1024, 1, 967.4424, 940.2271, 2445.746, 592.9695),
+    ("V100 PCIe 32GB", "bert_large", 512, 2, 234.2580, 266.1347, 226.4637, 182.5901),
+    ("V100 PCIe 32GB", "bert_large", 512, 8, 841.1236, 867.0548, 812.5796, 717.5384),
+    ("V100 PCIe 32GB", "gpt2_large", 1024, 1, 576.9212, 634.8012, 631.9315, 505.5759),
+]
+#: (row label) -> {predictor: its predicted ms} for the rows above; the measured ms beside
+OTHER_PREDICTORS: dict[str, dict[str, float]] = {}
+MEASURED_MS: dict[str, float] = {}
+for _gpu, _model, _seq, _batch, _ms, _neusight, _habitat, _roofline in _NEUSIGHT:
+    _label = f"{_gpu}, {NEUSIGHT_MODELS[_model]}, seq {_seq}, batch {_batch}, fp32"
+    ROWS.append(Row("neusight", _label, _gpu, f"neusight {_model} {_seq}", S(_batch), _batch / (_ms / 1000)))
+    MEASURED_MS[_label] = _ms
+    OTHER_PREDICTORS[_label] = {"NeuSight": _neusight, "Habitat": _habitat, "roofline": _roofline}

@@ -303,12 +303,80 @@ def bert_squad(size: str, precision: str) -> Workload:
     )
 
 
+class NoStep(torch.optim.Optimizer):
+    """No optimizer step and no ``zero_grad``: NeuSight's measured loop (``measure_e2e`` of
+    neusight/Tracing/trace.py) timed forward and backward only, and never zeroed the
+    gradients, so each backward adds into the ones the last left (what this reproduces)."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(list(params), {})
+
+    def step(self, closure: Any = None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+
+#: NeuSight's model configs (scripts/asplos/data/DLmodel_configs/*.json): the fields that
+#: differ from the config classes' defaults (dropouts, epsilons and vocabularies as there)
+_NEUSIGHT_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bert_large": ("bert", {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
+                            "intermediate_size": 4096, "vocab_size": 30522}),
+    "gpt2_large": ("gpt2", {"n_embd": 1280, "n_layer": 36, "n_head": 20, "n_positions": 1024}),
+    "gpt3_xl": ("gpt2", {"n_embd": 3072, "n_layer": 24, "n_head": 24, "n_positions": 2048}),
+    "gpt3_27": ("gpt2", {"n_embd": 2560, "n_layer": 32, "n_head": 32, "n_positions": 2048}),
+    "opt_13": ("opt", {"hidden_size": 2048, "num_hidden_layers": 24, "ffn_dim": 8192, "num_attention_heads": 32,
+                       "max_position_embeddings": 2048, "vocab_size": 50272, "word_embed_proj_dim": 2048,
+                       "do_layer_norm_before": True, "dropout": 0.1, "attention_dropout": 0.0,
+                       "activation_function": "relu"}),
+}  # fmt: skip
+
+
+def neusight_lm(name: str, sequence: int) -> Workload:
+    """A model of NeuSight's measured labels as its loop ran it: built from its config (eager
+    attention, training mode), ``input_ids`` all ones, the loss the cross-entropy of the logits
+    (BERT: the pre-training model's masked-LM logits) against the input ids, and
+    :class:`NoStep` for the optimizer. The loss's forward is in memfit's step and was not in
+    NeuSight's timed window (one log-softmax over the logits: well under 1 % of these steps)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    kind, fields = _NEUSIGHT_CONFIGS[name]
+    if kind == "bert":
+        config: Any = transformers.BertConfig(**fields)
+        build: Callable[[], nn.Module] = lambda: transformers.BertForPreTraining(config)  # noqa: E731
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(activation_function="gelu_new", **fields)
+        build = lambda: transformers.GPT2LMHeadModel(config)  # noqa: E731
+    else:
+        config = transformers.OPTConfig(**fields)
+        build = lambda: transformers.OPTForCausalLM(config)  # noqa: E731
+    config._attn_implementation = "eager"
+
+    def loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids)
+        logits = out.prediction_logits if kind == "bert" else out.logits
+        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), ids.view(-1))
+
+    return Workload(
+        model=build,
+        make_batch=lambda n: torch.ones(n, sequence, dtype=torch.long),
+        loss=loss,
+        optimizer=NoStep,
+        name=f"NeuSight {name}, seq {sequence}, forward and backward",
+    )
+
+
 def workload(key: str) -> Workload:
     """The workload a row names: ``bert-large adamw``, ``bert-large adafactor``,
-    ``bert-squad base|large fp16|fp32``, or
+    ``bert-squad base|large fp16|fp32``, ``neusight MODEL SEQUENCE``, or
     ``FAMILY[/nhwc]/timm|dle|dle-rmsprop`` (timm: SGD 0.9 Nesterov; dle: SGD 0.875;
     dle-rmsprop: DeepLearningExamples' EfficientNet recipe, RMSprop with momentum 0.9 and
     label smoothing 0.1)."""
+    if key.startswith("neusight"):  # neusight MODEL SEQUENCE
+        _, name, sequence = key.split()
+        return neusight_lm(name, int(sequence))
     if key.startswith("bert-squad"):  # bert-squad SIZE PRECISION
         _, size, precision = key.split()
         return bert_squad(size, precision)

@@ -63,7 +63,7 @@ def test_each_source_names_the_pytorch_it_ran(bench: None) -> None:
     from memfit.estimator.kernel_rates import elements_per_thread
 
     sources = _module("speed_rows").SOURCES
-    # every published row ran PyTorch 1.x: its element-wise kernels load 4 elements a thread
+    # every published row ran PyTorch 1.x or 2.1: its element-wise kernels load 4 elements a thread
     assert {elements_per_thread(s.torch) for s in sources.values()} == {4}
 
 
@@ -141,3 +141,51 @@ def test_the_apex_o2_stand_in_steps_fp32_masters_and_copies_them_into_the_fp16_m
         assert torch.allclose(m, r.detach(), atol=1e-6)
         assert p.dtype == torch.float16 and torch.equal(p.detach(), m.half())
     assert not all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))  # it moved
+
+
+def test_neusights_rows_follow_the_stated_rule_and_its_milliseconds(bench: None) -> None:
+    # bench/speed_rows.py: every single-GPU NVIDIA training label of NeuSight's artifact but
+    # the Switch Transformer's; samples/s is the batch over the measured milliseconds
+    rows_module = _module("speed_rows")
+    rows = [r for r in rows_module.ROWS if r.source == "neusight"]
+    assert len(rows) == 22 and not any(r.calibration for r in rows)
+    assert {r.gpu for r in rows} == {"A100 80GB PCIe", "H100 SXM", "L4", "V100 PCIe 32GB"}
+    assert not any("switch" in r.workload for r in rows)
+    for r in rows:
+        assert not r.tf32_matmul and not r.tf32_conv and r.settings.precision == "fp32"
+        ms = rows_module.MEASURED_MS[r.label]
+        assert r.published == pytest.approx(r.settings.micro_batch_size / (ms / 1000))
+        assert set(rows_module.OTHER_PREDICTORS[r.label]) == {"NeuSight", "Habitat", "roofline"}
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    # the published sizes: BERT-large 336 M with its pre-training heads, GPT-2 large 774 M,
+    # OPT-1.3B 1.32 B; NeuSight's "GPT3-XL" (3072 wide) and "GPT3-2.7B" as its configs make them
+    [("bert_large", 336e6), ("gpt2_large", 774e6), ("opt_13", 1.316e9), ("gpt3_xl", 2.88e9), ("gpt3_27", 2.65e9)],
+)
+def test_neusights_models_are_built_as_its_configs(bench: None, name: str, parameters: float) -> None:
+    made = _module("speed_workloads").neusight_lm(name, 512)
+    with torch.device("meta"):
+        model = made.model()
+    # tied embeddings counted once, as the published sizes count them
+    count = sum(p.numel() for p in model.parameters())
+    assert count == pytest.approx(parameters, rel=0.01)
+
+
+def test_neusights_loop_adds_each_backward_into_the_last_gradients(bench: None) -> None:
+    # NoStep: no optimizer step and no zero_grad (NeuSight's timed loop), so a second backward
+    # doubles the gradients of the first and the parameters never move
+    no_step = _module("speed_workloads").NoStep
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = no_step(model.parameters())
+    x = torch.randn(5, 4)
+    model(x).square().sum().backward()
+    once = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    for p, g, b in zip(model.parameters(), once, before):
+        assert torch.allclose(p.grad, 2 * g) and torch.equal(p.detach(), b)
