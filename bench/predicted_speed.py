@@ -202,12 +202,16 @@ def accuracy(results: list[Result]) -> SpeedAccuracy:
     return SpeedAccuracy(_band(validation), by_bound, round(figures(validation)["spearman"], 3), COMMAND)
 
 
+#: workloads of models without convolutions but a patch embedding (one list for both groupings)
+_TRANSFORMERS = ("vit", "swin", "bert", "neusight")
+
+
 def _kind(row: Row) -> str:
     if row.workload.startswith(("resnext", "regnet")):
         return "grouped convolutions"
     if row.workload.startswith(("efficientnet", "mobilenet", "convnext")):
         return "depthwise convolutions"
-    if row.workload.startswith(("vit", "swin", "bert", "neusight")):
+    if row.workload.startswith(_TRANSFORMERS):
         return "transformers"
     return "dense convolutions"
 
@@ -220,7 +224,7 @@ def _mode(row: Row) -> str:
     """The arithmetic and layout a row ran: tf32 only where the card has it, no layout for
     models without convolutions but a patch embedding."""
     layout = "NHWC" if "/nhwc/" in row.workload else "NCHW"
-    if row.workload.startswith(("bert", "vit", "swin", "neusight")):
+    if row.workload.startswith(_TRANSFORMERS):
         layout = "transformer"
     if row.workload.startswith("bert-squad") and row.workload.endswith("fp16"):
         return f"fp16, {layout}"  # APEX O2: an fp16 model, settings in fp32
@@ -333,7 +337,7 @@ def against_others(results: list[Result]) -> list[str]:
     Habitat and a roofline), each predictor's latency error beside memfit's, and each one's
     median |error| over those rows. Error = (predicted - measured) / measured, on the step's
     milliseconds as the artifact reports them (a positive error: predicted slower)."""
-    shared = [r for r in results if r.row.label in OTHER_PREDICTORS and r.row.source == "neusight"]
+    shared = [r for r in results if r.row.source == "neusight"]
     if not shared:
         return []
     names = list(OTHER_PREDICTORS[shared[0].row.label])

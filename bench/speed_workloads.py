@@ -318,8 +318,8 @@ class NoStep(torch.optim.Optimizer):
         return None
 
 
-#: NeuSight's model configs (scripts/asplos/data/DLmodel_configs/*.json): the fields that
-#: differ from the config classes' defaults (dropouts, epsilons and vocabularies as there)
+#: NeuSight's model configs (scripts/asplos/data/DLmodel_configs/*.json): their shapes and
+#: OPT's dropouts, as there; every other field of those files is the config class's default
 _NEUSIGHT_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "bert_large": ("bert", {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
                             "intermediate_size": 4096, "vocab_size": 30522}),
