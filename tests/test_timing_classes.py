@@ -214,7 +214,7 @@ def test_a_tf32_convolution_takes_the_faster_of_the_tensor_core_and_the_fp32_ker
     )
     # 10 GFLOP: fp32 takes 0.62 ms, tf32 0.59 ms (its bytes) + 0.85 ms of transposes
     medium = 1e10
-    fp32 = medium / (A100.fp32 * RATES.gemm_fp32)
+    fp32 = medium / (A100.fp32 * RATES.conv_fp32)
     assert moving < fp32 < moving + transposes
     assert conv(medium) == pytest.approx({"conv_dense": fp32})
     tiny = 1e9  # a 1x1 convolution of few channels: bound by its bytes either way, no transposes

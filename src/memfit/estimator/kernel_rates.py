@@ -21,7 +21,8 @@ Where each figure comes from (:data:`RATES` holds them; a reader can check each)
   wave, so a product of 120 tiles on a card of 108 SMs runs two waves for 1.11 waves' work.
   cuBLAS splits K when there are fewer tiles than SMs (split-K), which this model allows
   while each split keeps :data:`MIN_SPLIT_K` of K. fp32 without tf32 runs on the CUDA cores
-  at the same fraction of the fp32 peak (an assumption, stated).
+  at the same fraction of the fp32 peak (an assumption, stated), products and convolutions
+  alike.
 - **tf32** products (matmuls and convolutions on fp32 tensors where PyTorch allows tf32)
   and **convolutions** (cuDNN) by kind: dense, grouped, depthwise. No published
   microbenchmark gives these per card for the kernels PyTorch's training step runs, so they
@@ -218,8 +219,12 @@ class Rates:
     fractions of the peak bandwidth.
     """
 
+    #: matrix products in 16 bits (sourced: :data:`GEMM_EFFICIENCY`)
     gemm_half: float = GEMM_EFFICIENCY
+    #: matrix products in fp32 on the CUDA cores (assumed the 16-bit fraction, see the module)
     gemm_fp32: float = GEMM_EFFICIENCY
+    #: convolutions in fp32 on the CUDA cores (assumed the 16-bit products' fraction too)
+    conv_fp32: float = GEMM_EFFICIENCY
     # Fitted 2026-12-02 on the 10 calibration rows (mean squared log error 0.0009; 0.0058
     # before the bytes-in-flight cap and a tf32 convolution's fp32 alternative, both in
     # memfit.estimator.timing).
@@ -310,7 +315,7 @@ def _product_rate(cls: KernelClass, mode: Mode, rates: Rates) -> float:
     elif cls in (KernelClass.GEMM, KernelClass.ATTENTION):
         base = rates.gemm_half if mode == Mode.HALF else rates.gemm_fp32
     else:
-        base = rates.conv_half if mode == Mode.HALF else rates.gemm_fp32
+        base = rates.conv_half if mode == Mode.HALF else rates.conv_fp32
     return base * rates.grouped if cls == KernelClass.CONV_GROUPED else base
 
 
