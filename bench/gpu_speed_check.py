@@ -134,6 +134,7 @@ def kernel_classes(gpu: str, *, measure: bool) -> list[dict[str, Any]]:
     from memfit.estimator.kernel_rates import RATES
 
     card = lookup(gpu)
+    rates = RATES.for_card(card.name)  # its measured fp32 matmul efficiency, where there is one
     rows = []
     for case in cases(card):
         total, own = predicted(case, card)
@@ -142,14 +143,14 @@ def kernel_classes(gpu: str, *, measure: bool) -> list[dict[str, Any]]:
             "case": case.name,
             "class": case.cls.name.lower(),
             "rate": case.rate,
-            "memfit_rate": getattr(RATES, case.rate),
+            "memfit_rate": getattr(rates, case.rate),
             "predicted_seconds": total,
             "predicted_class_seconds": own,
             "measured_seconds": seconds,
         }
         if seconds:
             row["error_pct"] = 100.0 * (total / seconds - 1)
-            row["implied_rate"] = implied_rate(case, total, own, seconds)
+            row["implied_rate"] = implied_rate(case, total, own, seconds, rates)
         rows.append(row)
         shown = (
             f"  measured {seconds * 1e3:9.3f} ms  implied {_rate(case.rate, row['implied_rate'])}" if seconds else ""

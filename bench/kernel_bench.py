@@ -27,6 +27,7 @@ from memfit.estimator.kernel_rates import (
     SM_COUNT,
     TILE,
     KernelClass,
+    Rates,
     elements_per_thread,
     streaming_bandwidth,
 )
@@ -219,11 +220,12 @@ def measured(case: Case, repeats: int = 20) -> float:
         torch.cuda.empty_cache()
 
 
-def implied_rate(case: Case, total: float, in_class: float, seconds: float) -> float:
+def implied_rate(case: Case, total: float, in_class: float, seconds: float, rates: Rates = RATES) -> float:
     """The rate that would make the prediction exact: memfit's rate x predicted / measured,
     counting only the case's own class (the rest of its predicted time is taken as right);
-    the latency, which slows what it caps, x measured / predicted."""
-    rate = getattr(RATES, case.rate)
+    the latency, which slows what it caps, x measured / predicted. ``rates``: the card's
+    (:meth:`~memfit.estimator.kernel_rates.Rates.for_card`)."""
+    rate = getattr(rates, case.rate)
     others = total - in_class
     if seconds <= others or in_class <= 0:
         return float("nan")

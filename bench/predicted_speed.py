@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -251,11 +251,18 @@ def _grouped(results: list[Result], key: Callable[[Row], str]) -> list[str]:
     return _lines(_bands(results, lambda r: key(r.row)))
 
 
-def report(results: list[Result], seconds: float, bands: SpeedAccuracy, installed: list[Result] | None = None) -> str:
+def report(
+    results: list[Result],
+    seconds: float,
+    bands: SpeedAccuracy,
+    installed: list[Result] | None = None,
+    uniform: list[Result] | None = None,
+) -> str:
     """The docs section; ``bands``: :func:`accuracy` of ``results``; ``installed``: the same
     rows predicted with the installed torch's streaming kernels instead of their sources'
     (shown beside, as docs/benchmarks.md asks of a figure improved by reproducing the measured
-    software)."""
+    software); ``uniform``: with one fp32 matmul efficiency for every card instead of the
+    measured ones (shown beside: the measurements come from the lab of the neusight rows)."""
     validation = [r for r in results if not r.row.calibration]
     calibration = [r for r in results if r.row.calibration]
     v, c = figures(validation), figures(calibration)
@@ -271,6 +278,18 @@ def report(results: list[Result], seconds: float, bands: SpeedAccuracy, installe
             f"{w['spearman']:.3f}; calibration median {wc['median_abs_error_pct']:.1f} %, worst "
             f"{wc['worst_error_pct']:+.1f} %."
         )
+    if uniform is not None:
+        u = figures([r for r in uniform if not r.row.calibration])
+        un = figures([r for r in uniform if r.row.source == "neusight"])
+        n = figures([r for r in validation if r.row.source == "neusight"])
+        without += (
+            f" With one fp32 matmul efficiency for every card ({RATES.gemm_fp32:.3f}) instead of the "
+            f"measured ones of `MEASURED_FP32_MATMUL` ({len(RATES.fp32_matmul_by_card)} cards, from single "
+            "kernels NeuSight's lab timed on the cards of the neusight rows, so those rows are not "
+            f"independent of them): validation median {u['median_abs_error_pct']:.1f} %, worst "
+            f"{u['worst_error_pct']:+.1f} %, Spearman {u['spearman']:.3f}; the neusight rows "
+            f"{un['median_abs_error_pct']:.1f} % (with the measured ones {n['median_abs_error_pct']:.1f} %)."
+        )
     lines = [
         "## Predicted training speed against published GPU throughput",
         "",
@@ -282,7 +301,9 @@ def report(results: list[Result], seconds: float, bands: SpeedAccuracy, installe
         "checkpointing and optimizer) and predicts its samples/s with `memfit.estimator.speed.step_time` "
         "on the card of the table. The model (`memfit/estimator/timing.py`, `kernel_classes.py`, "
         "`kernel_rates.py`) times each kernel by its class: matrix products at the sourced 16-bit "
-        "efficiency with tile and wave quantization for the card's SM count; convolutions by kind "
+        "efficiency with tile and wave quantization for the card's SM count, fp32 ones on the CUDA "
+        "cores at the efficiency measured on the card where single kernels were timed on it "
+        "(`MEASURED_FP32_MATMUL`, `python bench/neusight_kernels.py`); convolutions by kind "
         "(dense, grouped, depthwise) with cuDNN's NCHW transposes on tensor cores (dense and grouped "
         "ones: a depthwise convolution runs no tensor-core kernel); memory-bound kernels at the "
         "measured streaming bandwidth, or less where the bytes a thread of PyTorch's kernels keeps in "
@@ -408,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.row.source:16s} {r.row.label:45s} {r.row.gpu:15s} published {r.row.published:8.2f} "
               f"predicted {r.predicted:8.2f} ({r.error_pct:+.1f} %) {r.bound_by}")  # fmt: skip
     installed = predict_rows(rows, recorded, own_torch=False)
+    uniform = predict_rows(rows, recorded, replace(RATES, fp32_matmul_by_card=()))
     bands = accuracy(results)
-    text = report(results, time.perf_counter() - started, bands, installed)
+    text = report(results, time.perf_counter() - started, bands, installed, uniform)
     print(text)
     if args.json is not None:
         data: dict[str, Any] = {

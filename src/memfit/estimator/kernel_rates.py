@@ -22,7 +22,9 @@ Where each figure comes from (:data:`RATES` holds them; a reader can check each)
   cuBLAS splits K when there are fewer tiles than SMs (split-K), which this model allows
   while each split keeps :data:`MIN_SPLIT_K` of K. fp32 without tf32 runs on the CUDA cores
   at the same fraction of the fp32 peak (an assumption, stated), products and convolutions
-  alike.
+  alike, except the products of the cards where single fp32 kernels were timed
+  (:data:`MEASURED_FP32_MATMUL`, from NeuSight's artifact: 0.26 of the L4's datasheet peak,
+  0.99 of the V100 PCIe's; :meth:`Rates.for_card`).
 - **tf32** products (matmuls and convolutions on fp32 tensors where PyTorch allows tf32)
   and **convolutions** (cuDNN) by kind: dense, grouped, depthwise. No published
   microbenchmark gives these per card for the kernels PyTorch's training step runs, so they
@@ -63,6 +65,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from enum import IntEnum
+from typing import Any
 
 from memfit.environment.versions import version_tuple
 from memfit.memory.gpus import GPU
@@ -76,6 +79,7 @@ __all__ = [
     "MIN_SPLIT_K",
     "GEMM_EFFICIENCY",
     "STREAM_EFFICIENCY",
+    "MEASURED_FP32_MATMUL",
     "sm_count",
     "RESIDENT_THREADS",
     "elements_per_thread",
@@ -122,6 +126,22 @@ MIN_SPLIT_K = 256
 GEMM_EFFICIENCY = 0.826
 #: a streaming kernel: fraction of the peak bandwidth (see the module)
 STREAM_EFFICIENCY = 750 / 900
+#: fp32 matrix products on the CUDA cores, measured on the card: the median, over NeuSight's
+#: test-set products of at least 0.1 TFLOP (single fp32 ``linear`` and ``bmm`` calls of PyTorch
+#: 2.1.0 timed by CUDA events; its artifact's scripts/asplos/data/dataset/test/), of the
+#: efficiency that makes this module's time exact (tile and wave quantization left in).
+#: Derived by ``python bench/neusight_kernels.py PATH_TO_NEUSIGHT``; a card missing here takes
+#: :data:`GEMM_EFFICIENCY`. The low ones are the 70-75 W cards: the L4 and the T4 cannot hold the
+#: clock their datasheet peak is rated at under a sustained load. The A100 40GB row is the PCIe
+#: card's (the table's one entry covers the SXM4 card too).
+MEASURED_FP32_MATMUL: dict[str, float] = {
+    "A100 40GB": 0.845,  # 1610 products
+    "A100 80GB PCIe": 0.934,  # 1816
+    "H100 SXM": 0.771,  # 1806
+    "L4": 0.264,  # 1421
+    "T4": 0.470,  # 1305
+    "V100 PCIe 32GB": 0.988,  # 641
+}
 
 #: streaming multiprocessors per card (NVIDIA datasheets and architecture whitepapers: V100
 #: 80, T4 40, A100 108, A10 72, A30 56, A40 84, L4 58, L40/L40S 142, H100 SXM 132, H100 PCIe
@@ -244,10 +264,23 @@ class Rates:
     stream: float = STREAM_EFFICIENCY
     #: the memory latency under load of Little's law (seconds; calibrated)
     latency: float = 1.3e-6
+    #: (card, ``gemm_fp32``) where it was measured (:data:`MEASURED_FP32_MATMUL`; pairs, so
+    #: that rates stay hashable); empty: ``gemm_fp32`` on every card
+    fp32_matmul_by_card: tuple[tuple[str, float], ...] = tuple(MEASURED_FP32_MATMUL.items())
 
     def with_values(self, **values: float) -> Rates:
-        """These rates with some replaced (the calibration's trials)."""
-        return replace(self, **values)
+        """These rates with some efficiencies replaced (the calibration's trials)."""
+        changes: dict[str, Any] = dict(values)
+        return replace(self, **changes)
+
+    def for_card(self, name: str) -> Rates:
+        """These rates on the card ``name``: its measured fp32 matmul efficiency, if any.
+
+        >>> RATES.for_card("L4").gemm_fp32 < RATES.gemm_fp32 == RATES.for_card("RTX 3090").gemm_fp32
+        True
+        """
+        measured = dict(self.fp32_matmul_by_card).get(name)
+        return self if measured is None else replace(self, gemm_fp32=measured)
 
 
 #: the rates the prediction uses. The calibrated fields were fitted by

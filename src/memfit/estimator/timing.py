@@ -472,6 +472,7 @@ _ELEMENT_BYTES = {DType.SINGLE: 4, DType.HALF: 2, DType.BFLOAT: 2, DType.OTHER: 
 
 
 def _card(gpu: GPU, tf32_matmul: bool, tf32_conv: bool, rates: Rates, per_thread: int) -> _Card:
+    rates = rates.for_card(gpu.name)
     streaming = {
         int(dtype): streaming_bandwidth(gpu, size, per_thread, rates) for dtype, size in _ELEMENT_BYTES.items()
     }
