@@ -12,7 +12,7 @@ from torch import nn
 
 import memfit
 from memfit.cli import main
-from memfit.estimator.kernel_classes import Classified
+from memfit.estimator.kernel_classes import Classified, classify
 from memfit.estimator.kernel_rates import (
     RATES,
     RESIDENT_THREADS,
@@ -139,6 +139,21 @@ def test_memory_bound_kernels_stream_at_the_achievable_bandwidth_by_class() -> N
     for name in ("elementwise", "softmax", "reduction", "optimizer"):
         assert time.by_class[name] == pytest.approx(expected)
     assert time.bound_by in time.by_class
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("_fused_rms_norm", KernelClass.NORMALIZATION),
+        ("_fused_rms_norm_backward", KernelClass.NORMALIZATION),
+        ("native_layer_norm", KernelClass.NORMALIZATION),
+        ("_fused_adam_", KernelClass.OPTIMIZER),
+        ("_foreach_add_", KernelClass.OPTIMIZER),
+        ("_softmax", KernelClass.SOFTMAX),
+    ],
+)
+def test_a_kernel_is_classed_by_its_operation_not_its_prefix(name: str, expected: KernelClass) -> None:
+    assert classify(name, False, (), [], []).cls == expected
 
 
 def streamed(dtype: DType, gpu_name: str, per_thread: int) -> float:

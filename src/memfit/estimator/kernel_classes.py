@@ -153,10 +153,11 @@ def classify(
         return _gemm(name, inputs)
     if "scaled_dot_product" in name:
         return Classified(KernelClass.ATTENTION)
-    if name.startswith(("_foreach_", "_fused_")):
-        return Classified(KernelClass.OPTIMIZER)
+    # before the optimizers' prefixes: _fused_rms_norm is a norm, not a fused optimizer
     if name in NORMALIZATION:
         return Classified(KernelClass.NORMALIZATION)
+    if name.startswith(("_foreach_", "_fused_")):
+        return Classified(KernelClass.OPTIMIZER)
     if name in SOFTMAX:
         return Classified(KernelClass.SOFTMAX)
     if name in REDUCTION:
