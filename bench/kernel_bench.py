@@ -165,7 +165,13 @@ def cases(gpu: GPU) -> list[Case]:
             _unary(lambda x: x + 1, (1 << 27,), dtype=torch.float32),
         ),
         Case("batch norm, 128x256x28x28", "stream", KernelClass.NORMALIZATION, _batch_norm),
-        Case("softmax, 8192x8192", "stream", KernelClass.SOFTMAX, _unary(lambda x: x.softmax(-1), (8192, 8192))),
+        Case("softmax, 8192x8192", "softmax", KernelClass.SOFTMAX, _unary(lambda x: x.softmax(-1), (8192, 8192))),
+        Case(
+            "layer norm, 65536x1024",
+            "layer_norm",
+            KernelClass.LAYER_NORM,
+            _unary(lambda x: torch.nn.functional.layer_norm(x, (1024,)), (65536, 1024)),
+        ),
         Case("sum, 256M halves", "stream", KernelClass.REDUCTION, _unary(lambda x: x.sum(), (1 << 28,))),
         Case("SGD foreach, 64 x 1M", "stream", KernelClass.OPTIMIZER, _sgd),
     ]

@@ -18,10 +18,17 @@ Two things come out:
   :data:`memfit.estimator.kernel_rates.MEASURED_FP32_MATMUL`, rounded to three places; the
   script ends with status 1, writing nothing, where the table and what it derives differ
   (:func:`disagreements`).
+- **the share of the streaming bandwidth PyTorch's layer norm and softmax reach**
+  (:func:`streaming_shares`): for every such kernel of at least :data:`SHORTEST_SECONDS`,
+  memfit's time at the full streaming rate / the time measured, and their median over the
+  five cards that have them. These are
+  :data:`~memfit.estimator.kernel_rates.LAYER_NORM_EFFICIENCY` and
+  :data:`~memfit.estimator.kernel_rates.SOFTMAX_EFFICIENCY`, checked the same way.
 - **memfit's error kernel by kernel** (:func:`kernel_errors`), per card and class, with the
   table's rates and with the one rate memfit takes for every card: the products below
-  :data:`LARGE_FLOPS` are not the ones the efficiency was taken from, and the streaming
-  kernels (element-wise, layer norm, softmax) had no part in it.
+  :data:`LARGE_FLOPS` are not the ones the efficiency was taken from, and the element-wise
+  kernels had no part in any rate (the layer norm and softmax rows did, as a median over
+  the cards).
 
 The CSVs are not copied into this project (21 MB); the script reads them from a checkout.
 
@@ -46,7 +53,14 @@ from typing import Any
 import torch
 
 from kernel_bench import _Recording
-from memfit.estimator.kernel_rates import MEASURED_FP32_MATMUL, RATES, Rates, elements_per_thread
+from memfit.estimator.kernel_rates import (
+    LAYER_NORM_EFFICIENCY,
+    MEASURED_FP32_MATMUL,
+    RATES,
+    SOFTMAX_EFFICIENCY,
+    Rates,
+    elements_per_thread,
+)
 from memfit.estimator.timing import OpCounter, OpTrace, predict
 from memfit.memory.gpus import GPU, lookup
 
@@ -216,14 +230,35 @@ def fp32_matmul_efficiencies(kernels: Iterable[Kernel]) -> dict[str, tuple[float
     return {card: (statistics.median(v), len(v)) for card, v in sorted(found.items())}
 
 
-def disagreements(efficiencies: dict[str, tuple[float, int]]) -> list[str]:
-    """Where :data:`~memfit.estimator.kernel_rates.MEASURED_FP32_MATMUL` is not what the
-    kernels give (rounded to three places, as the table holds them): one line each."""
-    derived = {card: round(efficiency, 3) for card, (efficiency, _) in efficiencies.items()}
+#: the rate of :class:`~memfit.estimator.kernel_rates.Rates` each streaming operation gives
+SHARES = {"ln": "layer_norm", "softmax": "softmax"}
+
+
+def streaming_shares(kernels: Iterable[Kernel]) -> dict[str, tuple[float, int]]:
+    """(median share, kernels) per rate of :data:`SHARES`: memfit's time for each layer norm
+    or softmax of at least :data:`SHORTEST_SECONDS` at the full streaming rate (share 1) /
+    the time measured, over every card."""
+    found: dict[str, list[float]] = defaultdict(list)
+    full = replace(RATES, **dict.fromkeys(SHARES.values(), 1.0))
+    for kernel in kernels:
+        if kernel.op in SHARES and kernel.seconds >= SHORTEST_SECONDS:
+            total, _ = predicted_seconds(kernel, lookup(kernel.card), full)
+            found[SHARES[kernel.op]].append(total / kernel.seconds)
+    return {rate: (statistics.median(v), len(v)) for rate, v in sorted(found.items())}
+
+
+def disagreements(efficiencies: dict[str, tuple[float, int]], shares: dict[str, tuple[float, int]]) -> list[str]:
+    """Where :data:`~memfit.estimator.kernel_rates.MEASURED_FP32_MATMUL` (``efficiencies``:
+    :func:`fp32_matmul_efficiencies`), :data:`~memfit.estimator.kernel_rates.LAYER_NORM_EFFICIENCY`
+    or :data:`~memfit.estimator.kernel_rates.SOFTMAX_EFFICIENCY` (``shares``:
+    :func:`streaming_shares`) is not what the kernels give, rounded to three places as the
+    module holds them: one line each."""
+    table = {**MEASURED_FP32_MATMUL, "layer_norm": LAYER_NORM_EFFICIENCY, "softmax": SOFTMAX_EFFICIENCY}
+    derived = {name: round(value, 3) for name, (value, _) in {**efficiencies, **shares}.items()}
     return [
-        f"{card}: the table has {MEASURED_FP32_MATMUL.get(card)}, the kernels give {derived.get(card)}"
-        for card in sorted(set(derived) | set(MEASURED_FP32_MATMUL))
-        if derived.get(card) != MEASURED_FP32_MATMUL.get(card)
+        f"{name}: the table has {table.get(name)}, the kernels give {derived.get(name)}"
+        for name in sorted(set(derived) | set(table))
+        if derived.get(name) != table.get(name)
     ]
 
 
@@ -255,9 +290,15 @@ def kernel_errors(kernels: Iterable[Kernel], rates: Rates = RATES) -> dict[tuple
     return {key: _band(v) for key, v in sorted(found.items())}
 
 
-def report(kernels: list[Kernel], efficiencies: dict[str, tuple[float, int]], started: float) -> str:
+def report(
+    kernels: list[Kernel],
+    efficiencies: dict[str, tuple[float, int]],
+    shares: dict[str, tuple[float, int]],
+    started: float,
+) -> str:
     """The docs section: each card's efficiency (``efficiencies``: :func:`fp32_matmul_efficiencies`
-    of ``kernels``), and the error table with and without it (``started``:
+    of ``kernels``), the layer norm's and softmax's shares (``shares``: :func:`streaming_shares`),
+    and the error table with and without the cards' efficiencies (``started``:
     ``time.perf_counter()`` when the run began)."""
     with_table = kernel_errors(kernels)
     without = kernel_errors(kernels, replace(RATES, fp32_matmul_by_card=()))
@@ -286,10 +327,20 @@ def report(kernels: list[Kernel], efficiencies: dict[str, tuple[float, int]], st
         )
     lines += [
         "",
+        "PyTorch's layer norm and softmax against an element-wise kernel: the median, over their "
+        f"kernels of {SHORTEST_SECONDS * 1e6:.0f} us and more on every card, of memfit's time at the full "
+        "streaming rate / the time measured (`LAYER_NORM_EFFICIENCY`, `SOFTMAX_EFFICIENCY`; "
+        "forward kernels only, given to the backward ones too):",
+        "",
+        "| kernel | kernels | share of the streaming bandwidth |",
+        "|---|---:|---:|",
+        *(f"| {rate} | {count} | {share:.3f} |" for rate, (share, count) in shares.items()),
+        "",
         "Error on each kernel's time, (predicted - measured) / measured, median |error| (median error), "
         f"kernels of {SHORTEST_SECONDS * 1e6:.0f} us and more; 'large' products are the ones the "
         "efficiency was taken from, so their median error is near 0 by construction; the smaller "
-        "products and the streaming kernels had no part in it:",
+        "products and the element-wise kernels had no part in any rate, the ln and softmax rows only "
+        "through the median over the cards:",
         "",
         "| card | kernels | kernels timed | with the card's efficiency | with one efficiency for every card |",
         "|---|---|---:|---:|---:|",
@@ -310,12 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     kernels = read(args.neusight)
-    efficiencies = fp32_matmul_efficiencies(kernels)
-    text = report(kernels, efficiencies, started)
+    efficiencies, shares = fp32_matmul_efficiencies(kernels), streaming_shares(kernels)
+    text = report(kernels, efficiencies, shares, started)
     print(text)
-    wrong = disagreements(efficiencies)
+    wrong = disagreements(efficiencies, shares)
     if wrong:
-        print("neusight_kernels: MEASURED_FP32_MATMUL differs from these kernels:", *wrong, sep="\n  ", file=sys.stderr)
+        print("neusight_kernels: memfit's rates differ from these kernels:", *wrong, sep="\n  ", file=sys.stderr)
         return 1
     if args.docs:
         from _results import write_section

@@ -63,6 +63,8 @@ CALIBRATED = {
     "layout": [i / 100 for i in range(10, 96, 2)],
     "latency": [i / 10 * 1e-6 for i in range(6, 31)],
 }
+#: the rates without those taken from NeuSight's single kernels (bench/neusight_kernels.py)
+WITHOUT_NEUSIGHT_KERNELS = replace(RATES, fp32_matmul_by_card=(), layer_norm=1.0, softmax=1.0)
 
 
 @dataclass
@@ -256,13 +258,14 @@ def report(
     seconds: float,
     bands: SpeedAccuracy,
     installed: list[Result] | None = None,
-    uniform: list[Result] | None = None,
+    unmeasured: list[Result] | None = None,
 ) -> str:
     """The docs section; ``bands``: :func:`accuracy` of ``results``; ``installed``: the same
     rows predicted with the installed torch's streaming kernels instead of their sources'
     (shown beside, as docs/benchmarks.md asks of a figure improved by reproducing the measured
-    software); ``uniform``: with one fp32 matmul efficiency for every card instead of the
-    measured ones (shown beside: the measurements come from the lab of the neusight rows)."""
+    software); ``unmeasured``: without the rates taken from NeuSight's single kernels
+    (:data:`WITHOUT_NEUSIGHT_KERNELS`; shown beside: the kernels come from the lab of the
+    neusight rows)."""
     validation = [r for r in results if not r.row.calibration]
     calibration = [r for r in results if r.row.calibration]
     v, c = figures(validation), figures(calibration)
@@ -278,17 +281,19 @@ def report(
             f"{w['spearman']:.3f}; calibration median {wc['median_abs_error_pct']:.1f} %, worst "
             f"{wc['worst_error_pct']:+.1f} %."
         )
-    if uniform is not None:
-        u = figures([r for r in uniform if not r.row.calibration])
-        un = figures([r for r in uniform if r.row.source == "neusight"])
+    if unmeasured is not None:
+        u = figures([r for r in unmeasured if not r.row.calibration])
+        un = figures([r for r in unmeasured if r.row.source == "neusight"])
         n = figures([r for r in validation if r.row.source == "neusight"])
         without += (
-            f" With one fp32 matmul efficiency for every card ({RATES.gemm_fp32:.3f}) instead of the "
-            f"measured ones of `MEASURED_FP32_MATMUL` ({len(RATES.fp32_matmul_by_card)} cards, from single "
-            "kernels NeuSight's lab timed on the cards of the neusight rows, so those rows are not "
-            f"independent of them): validation median {u['median_abs_error_pct']:.1f} %, worst "
-            f"{u['worst_error_pct']:+.1f} %, Spearman {u['spearman']:.3f}; the neusight rows "
-            f"{un['median_abs_error_pct']:.1f} % (with the measured ones {n['median_abs_error_pct']:.1f} %)."
+            " Without the rates taken from single kernels NeuSight's lab timed on the cards of the "
+            "neusight rows, so that those rows are not independent of them (one fp32 matmul efficiency "
+            f"for every card, {RATES.gemm_fp32:.3f}, instead of `MEASURED_FP32_MATMUL`'s "
+            f"{len(RATES.fp32_matmul_by_card)} cards; PyTorch's layer norm and softmax at the streaming "
+            f"rate instead of {RATES.layer_norm:.3f} and {RATES.softmax:.3f} of it): validation median "
+            f"{u['median_abs_error_pct']:.1f} %, worst {u['worst_error_pct']:+.1f} %, Spearman "
+            f"{u['spearman']:.3f}; the neusight rows {un['median_abs_error_pct']:.1f} % (with them "
+            f"{n['median_abs_error_pct']:.1f} %)."
         )
     lines = [
         "## Predicted training speed against published GPU throughput",
@@ -308,7 +313,8 @@ def report(
         "ones: a depthwise convolution runs no tensor-core kernel); memory-bound kernels at the "
         "measured streaming bandwidth, or less where the bytes a thread of PyTorch's kernels keeps in "
         "flight cannot cover the memory latency (Little's law; each row with its source's PyTorch: "
-        "`Source.torch` in `bench/speed_rows.py`); tf32 apart, a tf32 convolution at the faster of "
+        "`Source.torch` in `bench/speed_rows.py`), PyTorch's layer norm and softmax at the share of it "
+        "measured on single kernels (`LAYER_NORM_EFFICIENCY`, `SOFTMAX_EFFICIENCY`, the same script); tf32 apart, a tf32 convolution at the faster of "
         "its tensor-core kernel (with the transposes) and cuDNN's CUDA-core fp32 kernel on NCHW. "
         f"Calibrated efficiencies (fitted by `{COMMAND} --calibrate` on the {len(calibration)} calibration "
         f"rows only; the split is stated in `bench/speed_rows.py`): {_rates_text(RATES)}. "
@@ -429,9 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r.row.source:16s} {r.row.label:45s} {r.row.gpu:15s} published {r.row.published:8.2f} "
               f"predicted {r.predicted:8.2f} ({r.error_pct:+.1f} %) {r.bound_by}")  # fmt: skip
     installed = predict_rows(rows, recorded, own_torch=False)
-    uniform = predict_rows(rows, recorded, replace(RATES, fp32_matmul_by_card=()))
+    unmeasured = predict_rows(rows, recorded, WITHOUT_NEUSIGHT_KERNELS)
     bands = accuracy(results)
-    text = report(results, time.perf_counter() - started, bands, installed, uniform)
+    text = report(results, time.perf_counter() - started, bands, installed, unmeasured)
     print(text)
     if args.json is not None:
         data: dict[str, Any] = {

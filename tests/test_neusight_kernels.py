@@ -13,7 +13,14 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from memfit.estimator.kernel_classes import Classified
-from memfit.estimator.kernel_rates import GEMM_EFFICIENCY, MEASURED_FP32_MATMUL, RATES, KernelClass
+from memfit.estimator.kernel_rates import (
+    GEMM_EFFICIENCY,
+    LAYER_NORM_EFFICIENCY,
+    MEASURED_FP32_MATMUL,
+    RATES,
+    SOFTMAX_EFFICIENCY,
+    KernelClass,
+)
 from memfit.estimator.timing import DType, Kind, OpCounter, predict
 from memfit.memory.gpus import lookup
 
@@ -133,20 +140,47 @@ def test_the_error_table_keeps_the_efficiencys_products_apart(kernels: ModuleTyp
     assert table[("L4", "matmul, smaller")].kernels == 1
 
 
+def test_the_layer_norms_and_softmaxs_shares_make_their_median_kernel_exact(kernels: ModuleType) -> None:
+    l4, t4 = lookup("L4"), lookup("T4")
+    full = replace(RATES, layer_norm=1.0, softmax=1.0)
+    timed = []
+    for op, dims, card, gpu, slower in (
+        ("ln", (32768, 1024), "L4", l4, 1.25),
+        ("ln", (16384, 2048), "T4", t4, 2.0),
+        ("ln", (8192, 4096), "T4", t4, 1.5),
+        ("softmax", (32768, 1024), "L4", l4, 1.1),
+    ):
+        kernel = kernels.Kernel(op, card, dims, 0.0)
+        full_rate, _ = kernels.predicted_seconds(kernel, gpu, full)
+        timed.append(replace(kernel, seconds=slower * full_rate))
+    # a kernel under SHORTEST_SECONDS and a product: no part in the shares
+    timed.append(kernels.Kernel("softmax", "L4", (64, 64), 1e-6))
+    timed.append(kernels.Kernel("linear", "L4", (1, 4096, 1024, 1024), 1.0))
+    shares = kernels.streaming_shares(timed)
+    assert shares == {"layer_norm": (pytest.approx(1 / 1.5), 3), "softmax": (pytest.approx(1 / 1.1), 1)}
+    # with its share, the median layer norm is predicted as measured
+    median = timed[2]
+    seconds, _ = kernels.predicted_seconds(median, t4, replace(RATES, layer_norm=shares["layer_norm"][0]))
+    assert seconds == pytest.approx(median.seconds)
+
+
 def test_a_table_that_differs_from_the_kernels_is_reported_and_nothing_written(
     kernels: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     agreeing = {card: (value, 10) for card, value in MEASURED_FP32_MATMUL.items()}
-    assert kernels.disagreements(agreeing) == []
-    # within the table's three places: agrees; past them, or a card missing either side: one line each
+    shares = {"layer_norm": (LAYER_NORM_EFFICIENCY, 390), "softmax": (SOFTMAX_EFFICIENCY, 390)}
+    assert kernels.disagreements(agreeing, shares) == []
+    # within the module's three places: agrees; past them, or a name missing either side: one line each
     agreeing["L4"] = (MEASURED_FP32_MATMUL["L4"] + 4e-4, 10)
-    assert kernels.disagreements(agreeing) == []
+    assert kernels.disagreements(agreeing, shares) == []
     off = dict(agreeing, L4=(0.5, 10), **{"RTX 3090": (0.7, 3)})
     del off["T4"]
-    assert kernels.disagreements(off) == [
+    assert kernels.disagreements(off, {"softmax": (0.5, 1)}) == [
         f"L4: the table has {MEASURED_FP32_MATMUL['L4']}, the kernels give 0.5",
         "RTX 3090: the table has None, the kernels give 0.7",
         f"T4: the table has {MEASURED_FP32_MATMUL['T4']}, the kernels give None",
+        f"layer_norm: the table has {LAYER_NORM_EFFICIENCY}, the kernels give None",
+        f"softmax: the table has {SOFTMAX_EFFICIENCY}, the kernels give 0.5",
     ]
 
     # one L4 product timed twice as fast as the table's efficiency makes it: refused, docs untouched
@@ -159,4 +193,4 @@ def test_a_table_that_differs_from_the_kernels_is_reported_and_nothing_written(
     assert kernels.main([str(root), "--docs"]) == 1
     assert written == []
     err = capsys.readouterr().err
-    assert "MEASURED_FP32_MATMUL differs" in err and "L4: the table has" in err
+    assert "memfit's rates differ" in err and "L4: the table has" in err

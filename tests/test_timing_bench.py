@@ -82,7 +82,7 @@ def test_the_gpu_check_dry_run_predicts_every_class_on_the_cpu(bench: None, tmp_
     rows = data["kernel_classes"]
     classes = {r["class"] for r in rows}
     assert {"gemm", "conv_dense", "conv_grouped", "conv_depthwise", "layout", "elementwise"} <= classes
-    assert {"normalization", "softmax", "reduction", "optimizer"} <= classes
+    assert {"normalization", "layer_norm", "softmax", "reduction", "optimizer"} <= classes
     assert all(r["predicted_class_seconds"] > 0 and r["measured_seconds"] is None for r in rows)
     four, five = (next(r for r in rows if f"({w} waves" in r["case"]) for w in ("4", "5"))
     assert five["predicted_seconds"] / four["predicted_seconds"] == pytest.approx(5 / 4, rel=0.01)

@@ -24,9 +24,11 @@ import torch
 
 from memfit.estimator.kernel_rates import KernelClass
 
-__all__ = ["Classified", "classify", "NORMALIZATION", "SOFTMAX", "REDUCTION"]
+__all__ = ["Classified", "classify", "NORMALIZATION", "LAYER_NORM", "SOFTMAX", "REDUCTION"]
 
-#: normalization kernels (forward and backward)
+#: PyTorch's layer norm kernels (forward and backward): their own class, for their own rate
+LAYER_NORM = frozenset({"native_layer_norm", "native_layer_norm_backward"})
+#: the other normalization kernels (forward and backward)
 NORMALIZATION = frozenset(
     {
         "native_batch_norm",
@@ -37,8 +39,6 @@ NORMALIZATION = frozenset(
         "native_batch_norm_backward",
         "cudnn_batch_norm_backward",
         "batch_norm_backward",
-        "native_layer_norm",
-        "native_layer_norm_backward",
         "native_group_norm",
         "native_group_norm_backward",
         "_fused_rms_norm",
@@ -156,6 +156,8 @@ def classify(
     # before the optimizers' prefixes: _fused_rms_norm is a norm, not a fused optimizer
     if name in NORMALIZATION:
         return Classified(KernelClass.NORMALIZATION)
+    if name in LAYER_NORM:
+        return Classified(KernelClass.LAYER_NORM)
     if name.startswith(("_foreach_", "_fused_")):
         return Classified(KernelClass.OPTIMIZER)
     if name in SOFTMAX:

@@ -38,7 +38,13 @@ Where each figure comes from (:data:`RATES` holds them; a reader can check each)
   optimizer's foreach and fused kernels, gathers): :data:`STREAM_EFFICIENCY` of the peak
   bandwidth, 750 GB/s of the V100's 900 GB/s measured by Jia et al., "Dissecting the NVIDIA
   Volta GPU Architecture via Microbenchmarking" (arXiv:1804.06826, 2018). Depthwise
-  convolutions and NCHW<->NHWC transposes run below it (calibrated, as above).
+  convolutions and NCHW<->NHWC transposes run below it (calibrated, as above). PyTorch's
+  **layer norm** and **softmax** kernels reach a measured share of what an element-wise
+  kernel streams (:data:`LAYER_NORM_EFFICIENCY`, :data:`SOFTMAX_EFFICIENCY`: the median over
+  the single kernels NeuSight's artifact timed on five cards, as for
+  :data:`MEASURED_FP32_MATMUL`); they were timed forward only, and their backward kernels
+  are given the same share (an assumption). Batch, group and RMS norms keep the streaming
+  rate: no source here times them.
 - **bytes in flight** (Little's law: bandwidth = bytes in flight / latency; Volkov,
   "Understanding Latency Hiding on GPUs", 2016): a streaming kernel of PyTorch has each
   thread load a fixed number of *elements* (:func:`elements_per_thread`), so a 16-bit kernel
@@ -80,6 +86,8 @@ __all__ = [
     "GEMM_EFFICIENCY",
     "STREAM_EFFICIENCY",
     "MEASURED_FP32_MATMUL",
+    "LAYER_NORM_EFFICIENCY",
+    "SOFTMAX_EFFICIENCY",
     "sm_count",
     "RESIDENT_THREADS",
     "elements_per_thread",
@@ -108,6 +116,8 @@ class KernelClass(IntEnum):
     #: cuDNN's NCHW<->NHWC transposes around a tensor-core convolution (time of a conv's
     #: layout bytes; never an operation's own class)
     LAYOUT = 11
+    #: PyTorch's layer norm, forward and backward (apart from NORMALIZATION: its own rate)
+    LAYER_NORM = 12
 
 
 class Mode(IntEnum):
@@ -126,6 +136,15 @@ MIN_SPLIT_K = 256
 GEMM_EFFICIENCY = 0.826
 #: a streaming kernel: fraction of the peak bandwidth (see the module)
 STREAM_EFFICIENCY = 750 / 900
+#: PyTorch's layer norm and softmax kernels: the share of an element-wise kernel's bandwidth
+#: (:func:`streaming_bandwidth`) they reach, the median over NeuSight's test-set kernels of at
+#: least 50 us (fp32 ``layer_norm`` and ``softmax`` over the last dimension, PyTorch 2.1.0,
+#: forward only) on five cards (A100 40GB PCIe, A100 80GB PCIe, L4, T4, V100 PCIe 32GB) of
+#: memfit's time for the kernel at the full rate / the time measured. Derived by ``python
+#: bench/neusight_kernels.py PATH_TO_NEUSIGHT``. Why they fall short is not separated here
+#: (both reduce each row before they write it).
+LAYER_NORM_EFFICIENCY = 0.721
+SOFTMAX_EFFICIENCY = 0.851
 #: fp32 matrix products on the CUDA cores, measured on the card: the median, over NeuSight's
 #: test-set products of at least 0.1 TFLOP (single fp32 ``linear`` and ``bmm`` calls of PyTorch
 #: 2.1.0 timed by CUDA events; its artifact's scripts/asplos/data/dataset/test/), of the
@@ -262,6 +281,9 @@ class Rates:
     #: cuDNN's NCHW<->NHWC transposes: fraction of the bandwidth (calibrated)
     layout: float = 0.58
     stream: float = STREAM_EFFICIENCY
+    #: PyTorch's layer norm and softmax kernels: shares of the streaming bandwidth (measured)
+    layer_norm: float = LAYER_NORM_EFFICIENCY
+    softmax: float = SOFTMAX_EFFICIENCY
     #: the memory latency under load of Little's law (seconds; calibrated)
     latency: float = 1.3e-6
     #: (card, ``gemm_fp32``) where it was measured (:data:`MEASURED_FP32_MATMUL`; pairs, so
@@ -352,6 +374,15 @@ def _product_rate(cls: KernelClass, mode: Mode, rates: Rates) -> float:
     return base * rates.grouped if cls == KernelClass.CONV_GROUPED else base
 
 
+def _stream_share(cls: KernelClass, rates: Rates) -> float:
+    """The share of the streaming bandwidth a memory-bound kernel of ``cls`` reaches."""
+    if cls == KernelClass.LAYER_NORM:
+        return rates.layer_norm
+    if cls == KernelClass.SOFTMAX:
+        return rates.softmax
+    return 1.0
+
+
 def kernel_seconds(
     cls: KernelClass,
     mode: Mode,
@@ -380,7 +411,7 @@ def kernel_seconds(
     """
     if cls == KernelClass.CONV_DEPTHWISE:
         return nbytes / (bandwidth * rates.depthwise), False
-    moving = nbytes / (bandwidth * rates.stream if streaming is None else streaming)
+    moving = nbytes / ((bandwidth * rates.stream if streaming is None else streaming) * _stream_share(cls, rates))
     if flops <= 0 or peak <= 0:
         return moving, False
     computing = flops / (peak * _product_rate(cls, mode, rates) * max(utilisation, 1e-3))
