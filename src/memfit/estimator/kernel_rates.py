@@ -292,6 +292,7 @@ class Rates:
 
     def with_values(self, **values: float) -> Rates:
         """These rates with some efficiencies replaced (the calibration's trials)."""
+        # Any: mypy checks replace()'s keywords against every field, the tuple one too
         changes: dict[str, Any] = dict(values)
         return replace(self, **changes)
 
