@@ -1,5 +1,6 @@
-"""The fp32 matmul efficiencies measured per card (issue 22): the table, where the prediction
-takes it, and bench/neusight_kernels.py, which derives it from NeuSight's single kernels."""
+"""The rates measured on NeuSight's single kernels (issue 22): the fp32 matmul efficiency per
+card and the layer norm's and softmax's shares of the streaming bandwidth, where the prediction
+takes them, and bench/neusight_kernels.py, which derives and checks them."""
 
 from __future__ import annotations
 
