@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from _rate_check import Band, differences, finish
 from kernel_bench import _Recording
 from memfit.estimator.kernel_rates import (
     LAYER_NORM_EFFICIENCY,
@@ -254,23 +255,8 @@ def disagreements(efficiencies: dict[str, tuple[float, int]], shares: dict[str, 
     :func:`streaming_shares`) is not what the kernels give, rounded to three places as the
     module holds them: one line each."""
     table = {**MEASURED_FP32_MATMUL, "layer_norm": LAYER_NORM_EFFICIENCY, "softmax": SOFTMAX_EFFICIENCY}
-    derived = {name: round(value, 3) for name, (value, _) in {**efficiencies, **shares}.items()}
-    return [
-        f"{name}: the table has {table.get(name)}, the kernels give {derived.get(name)}"
-        for name in sorted(set(derived) | set(table))
-        if derived.get(name) != table.get(name)
-    ]
-
-
-@dataclass(frozen=True)
-class Band:
-    kernels: int
-    median_abs: float
-    median: float
-
-
-def _band(errors: list[float]) -> Band:
-    return Band(len(errors), statistics.median(abs(e) for e in errors), statistics.median(errors))
+    derived = {name: value for name, (value, _) in {**efficiencies, **shares}.items()}
+    return differences(table, derived, "kernels")
 
 
 def kernel_errors(kernels: Iterable[Kernel], rates: Rates = RATES) -> dict[tuple[str, str], Band]:
@@ -287,7 +273,7 @@ def kernel_errors(kernels: Iterable[Kernel], rates: Rates = RATES) -> dict[tuple
         if row == "matmul":
             row += ", large" if kernel.flops >= LARGE_FLOPS else ", smaller"
         found[(kernel.card, row)].append(100.0 * (total - kernel.seconds) / kernel.seconds)
-    return {key: _band(v) for key, v in sorted(found.items())}
+    return {key: Band.of(v) for key, v in sorted(found.items())}
 
 
 def report(
@@ -348,7 +334,7 @@ def report(
     for (card, row), band in with_table.items():
         other = without[(card, row)]
         lines.append(
-            f"| {card} | {row} | {band.kernels} | {band.median_abs:.1f} % ({band.median:+.1f} %) | "
+            f"| {card} | {row} | {band.count} | {band.median_abs:.1f} % ({band.median:+.1f} %) | "
             f"{other.median_abs:.1f} % ({other.median:+.1f} %) |"
         )
     return "\n".join(lines)
@@ -363,16 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels = read(args.neusight)
     efficiencies, shares = fp32_matmul_efficiencies(kernels), streaming_shares(kernels)
     text = report(kernels, efficiencies, shares, started)
-    print(text)
     wrong = disagreements(efficiencies, shares)
-    if wrong:
-        print("neusight_kernels: memfit's rates differ from these kernels:", *wrong, sep="\n  ", file=sys.stderr)
-        return 1
-    if args.docs:
-        from _results import write_section
-
-        write_section("neusight-kernels", text)
-    return 0
+    return finish(
+        text, wrong, script="neusight_kernels", measured="kernels", section="neusight-kernels", docs=args.docs
+    )
 
 
 if __name__ == "__main__":

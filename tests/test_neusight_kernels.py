@@ -138,7 +138,7 @@ def test_the_error_table_keeps_the_efficiencys_products_apart(kernels: ModuleTyp
     table = kernels.kernel_errors(timed)
     assert set(table) == {("L4", "matmul, large"), ("L4", "matmul, smaller")}
     assert table[("L4", "matmul, large")].median == pytest.approx(-50.0)
-    assert table[("L4", "matmul, smaller")].kernels == 1
+    assert table[("L4", "matmul, smaller")].count == 1
 
 
 def test_the_layer_norms_and_softmaxs_shares_make_their_median_kernel_exact(kernels: ModuleType) -> None:
