@@ -156,7 +156,7 @@ def kernel_classes(gpu: str, *, measure: bool) -> list[dict[str, Any]]:
             f"  measured {seconds * 1e3:9.3f} ms  implied {_rate(case.rate, row['implied_rate'])}" if seconds else ""
         )
         print(
-            f"{case.name:36s} {case.rate:10s} memfit {_rate(case.rate, row['memfit_rate'])}  "
+            f"{case.name:36s} {case.rate:11s} memfit {_rate(case.rate, row['memfit_rate'])}  "
             f"predicted {total * 1e3:9.3f} ms{shown}",
             flush=True,
         )

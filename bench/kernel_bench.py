@@ -128,7 +128,7 @@ def cases(gpu: GPU) -> list[Case]:
         # mostly predicted too fast, base more than large; docs/benchmarks.md)
         Case("matmul 122880x768x768, 16-bit", "gemm_half", KernelClass.GEMM, _mm(122880, 768, 768, half)),
         Case("matmul 122880x768x3072, 16-bit", "gemm_half", KernelClass.GEMM, _mm(122880, 768, 3072, half)),
-        Case("matmul 8192^3, tf32", "tf32", KernelClass.GEMM, _mm(8192, 8192, 8192, torch.float32), tf32=True),
+        Case("matmul 8192^3, tf32", "tf32_matmul", KernelClass.GEMM, _mm(8192, 8192, 8192, torch.float32), tf32=True),
         Case("matmul 4096^3, fp32", "gemm_fp32", KernelClass.GEMM, _mm(4096, 4096, 4096, torch.float32)),
         Case("conv 3x3 dense, 16-bit NHWC", "conv_half", KernelClass.CONV_DENSE, _conv(1, torch.float16, True)),
         Case("conv 3x3 dense, 16-bit NCHW", "layout", KernelClass.LAYOUT, _conv(1, torch.float16, False)),

@@ -315,7 +315,9 @@ def report(
         "flight cannot cover the memory latency (Little's law; each row with its source's PyTorch: "
         "`Source.torch` in `bench/speed_rows.py`), PyTorch's layer norm and softmax at the share of it "
         "measured on single kernels (`LAYER_NORM_EFFICIENCY`, `SOFTMAX_EFFICIENCY`, the same script); "
-        "tf32 apart, a tf32 convolution at the faster of its tensor-core kernel (with the transposes) "
+        "tf32 apart: tf32 matmuls at the efficiency measured in XLA's GEMM table on the H100 and the "
+        "B200 (`MEASURED_TF32_MATMUL`, their median on every other card; `python bench/xla_matmul_table.py`), "
+        "a tf32 convolution at the faster of its tensor-core kernel (with the transposes) "
         "and cuDNN's CUDA-core fp32 kernel on NCHW. "
         f"Calibrated efficiencies (fitted by `{COMMAND} --calibrate` on the {len(calibration)} calibration "
         f"rows only; the split is stated in `bench/speed_rows.py`): {_rates_text(RATES)}. "
@@ -401,9 +403,15 @@ def against_others(results: list[Result]) -> list[str]:
     ]
 
 
+#: how the docs name a calibrated rate whose field name says less than it holds
+_SHOWN = {"tf32": "tf32 (convolutions)"}
+
+
 def _rates_text(rates: Rates) -> str:
     return ", ".join(
-        f"latency {rates.latency * 1e6:.1f} us" if name == "latency" else f"{name} {getattr(rates, name):.2f}"
+        f"latency {rates.latency * 1e6:.1f} us"
+        if name == "latency"
+        else f"{_SHOWN.get(name, name)} {getattr(rates, name):.2f}"
         for name in CALIBRATED
     )
 

@@ -107,7 +107,7 @@ def test_tf32_follows_the_setting_and_only_where_the_card_has_it() -> None:
     fp32 = predict(trace, A100, 1, tf32_matmul=False).compute_seconds
     tf32 = predict(trace, A100, 1, tf32_matmul=True).compute_seconds
     # tf32 at its own efficiency (issue 22: not the 16-bit table's)
-    assert fp32 / tf32 == pytest.approx((156 * RATES.tf32) / (19.5 * RATES.gemm_fp32))
+    assert fp32 / tf32 == pytest.approx((156 * RATES.tf32_matmul) / (19.5 * RATES.gemm_fp32))
     volta = lookup("V100 SXM2 16GB")  # no tf32: fp32 either way
     assert predict(trace, volta, 1, tf32_matmul=True).compute_seconds == predict(trace, volta, 1).compute_seconds
     assert predict(trace, volta, 1, tf32_matmul=True).tf32_matmul is False

@@ -14,9 +14,11 @@ import memfit
 from memfit.cli import main
 from memfit.estimator.kernel_classes import Classified, classify
 from memfit.estimator.kernel_rates import (
+    MEASURED_TF32_MATMUL,
     RATES,
     RESIDENT_THREADS,
     SM_COUNT,
+    TF32_MATMUL_EFFICIENCY,
     TILE,
     KernelClass,
     elements_per_thread,
@@ -71,7 +73,31 @@ def test_tf32_runs_at_its_own_efficiency_not_the_16_bit_one() -> None:
     half = predict(product(big, big, big, DType.HALF).trace(), A100, 1).compute_seconds
     tf32 = predict(product(big, big, big, DType.SINGLE).trace(), A100, 1, tf32_matmul=True).compute_seconds
     assert A100.tf32 is not None and A100.fp16_tensor is not None
-    assert tf32 / half == pytest.approx((A100.fp16_tensor * RATES.gemm_half) / (A100.tf32 * RATES.tf32))
+    assert tf32 / half == pytest.approx((A100.fp16_tensor * RATES.gemm_half) / (A100.tf32 * RATES.tf32_matmul))
+
+
+def test_tf32_matmuls_take_the_measured_rate_and_tf32_convolutions_the_calibrated_one() -> None:
+    big = 8192
+    trace = product(big, big, big, DType.SINGLE).trace()
+    h100 = lookup("H100 SXM")
+    assert h100.tf32 is not None and A100.tf32 is not None
+    # a card of XLA's table takes its own efficiency; another the median of those cards
+    on_h100 = predict(trace, h100, 1, tf32_matmul=True).compute_seconds
+    on_a100 = predict(trace, A100, 1, tf32_matmul=True).compute_seconds
+    flops = 2 * big**3
+    assert on_h100 == pytest.approx(
+        flops / (h100.tf32 * MEASURED_TF32_MATMUL["H100 SXM"] * gemm_utilisation(big, big, big, 1, sm_count(h100)))
+    )
+    assert on_a100 == pytest.approx(
+        flops / (A100.tf32 * TF32_MATMUL_EFFICIENCY * gemm_utilisation(big, big, big, 1, sm_count(A100)))
+    )
+    assert RATES.tf32 != TF32_MATMUL_EFFICIENCY  # not the convolutions' (calibrated) rate
+    # a convolution on tf32 keeps the calibrated rate (its time without the transposes)
+    conv = OpCounter(step=0)
+    shape = Classified(KernelClass.CONV_DENSE, 0, 0, 0, 1)
+    conv.add(Kind.CONV, 2 * big**3, 1e6, DType.SINGLE, phase="forward", shape=shape)
+    seconds = predict(conv.trace(), A100, 1, tf32_conv=True).by_class["conv_dense"]
+    assert seconds == pytest.approx(2 * big**3 / (A100.tf32 * RATES.tf32))
 
 
 def conv_net(groups: int, channels_last: bool) -> Workload:

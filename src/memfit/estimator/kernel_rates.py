@@ -25,10 +25,15 @@ Where each figure comes from (:data:`RATES` holds them; a reader can check each)
   alike, except the products of the cards where single fp32 kernels were timed
   (:data:`MEASURED_FP32_MATMUL`, from NeuSight's artifact: 0.26 of the L4's datasheet peak,
   0.99 of the V100 PCIe's; :meth:`Rates.for_card`).
-- **tf32** products (matmuls and convolutions on fp32 tensors where PyTorch allows tf32)
-  and **convolutions** (cuDNN) by kind: dense, grouped, depthwise. No published
-  microbenchmark gives these per card for the kernels PyTorch's training step runs, so they
-  come from a **calibration set** of published training throughputs
+- **tf32 matrix products** (matmuls on fp32 tensors where PyTorch allows tf32): the
+  efficiency measured on the cards of XLA's default GEMM performance table
+  (:data:`MEASURED_TF32_MATMUL`: the H100 SXM and the B200, from openxla/xla's
+  ``xla/service/gpu/model/matmul_interpolator_data.h``: 375 products a card, timed kernel
+  by kernel, f32 dots at XLA's default precision, which runs them on tf32 tensor cores),
+  :data:`TF32_MATMUL_EFFICIENCY` (their median) on every other card.
+- **tf32 convolutions** and **convolutions** (cuDNN) by kind: dense, grouped, depthwise. No
+  published microbenchmark gives these per card for the kernels PyTorch's training step
+  runs, so they come from a **calibration set** of published training throughputs
   (``bench/predicted_speed.py``, rows marked ``calibration``: the RTX 3090 rows of timm's
   benchmark CSVs for some models and Lambda's A100 80GB SXM ResNet-50 rows), fitted once by
   ``python bench/predicted_speed.py --calibrate`` and checked only on the other rows
@@ -69,6 +74,7 @@ Where each figure comes from (:data:`RATES` holds them; a reader can check each)
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any
@@ -86,6 +92,8 @@ __all__ = [
     "GEMM_EFFICIENCY",
     "STREAM_EFFICIENCY",
     "MEASURED_FP32_MATMUL",
+    "MEASURED_TF32_MATMUL",
+    "TF32_MATMUL_EFFICIENCY",
     "LAYER_NORM_EFFICIENCY",
     "SOFTMAX_EFFICIENCY",
     "sm_count",
@@ -161,6 +169,26 @@ MEASURED_FP32_MATMUL: dict[str, float] = {
     "T4": 0.470,  # 1305
     "V100 PCIe 32GB": 0.988,  # 641
 }
+
+#: tf32 matrix products, measured on the card: the median, over the products of at least
+#: 0.1 TFLOP of XLA's default GEMM performance table (openxla/xla commit e97611c, February
+#: 2026, ``xla/service/gpu/model/matmul_interpolator_data.h``: batched products of
+#: b x m x n x k from 1 x 256^3 to 4 x 4096^3 timed kernel by kernel on each card; its "f32"
+#: dots run at XLA's default precision, on tf32 tensor cores: 403 TFLOP/s at 4096^3 on the
+#: H100, six times its fp32 peak), of the efficiency that makes this module's time exact
+#: (tile and wave quantization left in). Derived by ``python bench/xla_matmul_table.py
+#: PATH_TO_THE_HEADER``. Its ``sm_90`` table is taken as the H100 SXM's (the file names no
+#: card; XLA's op profiles of the same folder name the "NVIDIA H100 80GB HBM3" for sm_90),
+#: its ``sm_100_B200`` one as the B200's. Below the fraction the 16-bit products of the same
+#: sizes reach on the H100 (memfit's :data:`GEMM_EFFICIENCY` times them within 2.4 %): tf32
+#: operands are twice the bytes a FLOP. Where the table's large products are few (15 a card,
+#: 0.1 to 0.55 TFLOP), this is the median of those.
+MEASURED_TF32_MATMUL: dict[str, float] = {
+    "B200": 0.731,  # 15 products
+    "H100 SXM": 0.685,  # 15
+}
+#: tf32 matrix products on a card :data:`MEASURED_TF32_MATMUL` lacks: the median of its cards
+TF32_MATMUL_EFFICIENCY = round(statistics.median(MEASURED_TF32_MATMUL.values()), 3)
 
 #: streaming multiprocessors per card (NVIDIA datasheets and architecture whitepapers: V100
 #: 80, T4 40, A100 108, A10 72, A30 56, A40 84, L4 58, L40/L40S 142, H100 SXM 132, H100 PCIe
@@ -270,7 +298,7 @@ class Rates:
     # Two ended at the edge of their grids (tf32 and conv_half at 0.94): the calibration rows
     # would have them faster still, which no card's cuDNN reaches; read them as "at least
     # this fast on the RTX 3090 and the A100 SXM", not as measured efficiencies.
-    #: tf32 products, matmuls and dense convolutions alike (calibrated)
+    #: tf32 convolutions, dense and grouped (calibrated)
     tf32: float = 0.94
     #: dense convolutions in 16 bits (calibrated)
     conv_half: float = 0.94
@@ -286,9 +314,13 @@ class Rates:
     softmax: float = SOFTMAX_EFFICIENCY
     #: the memory latency under load of Little's law (seconds; calibrated)
     latency: float = 1.3e-6
+    #: tf32 matrix products (measured: :data:`TF32_MATMUL_EFFICIENCY`)
+    tf32_matmul: float = TF32_MATMUL_EFFICIENCY
     #: (card, ``gemm_fp32``) where it was measured (:data:`MEASURED_FP32_MATMUL`; pairs, so
     #: that rates stay hashable); empty: ``gemm_fp32`` on every card
     fp32_matmul_by_card: tuple[tuple[str, float], ...] = tuple(MEASURED_FP32_MATMUL.items())
+    #: (card, ``tf32_matmul``) where it was measured (:data:`MEASURED_TF32_MATMUL`)
+    tf32_matmul_by_card: tuple[tuple[str, float], ...] = tuple(MEASURED_TF32_MATMUL.items())
 
     def with_values(self, **values: float) -> Rates:
         """These rates with some efficiencies replaced (the calibration's trials)."""
@@ -297,13 +329,19 @@ class Rates:
         return replace(self, **changes)
 
     def for_card(self, name: str) -> Rates:
-        """These rates on the card ``name``: its measured fp32 matmul efficiency, if any.
+        """These rates on the card ``name``: its measured fp32 and tf32 matmul efficiencies,
+        where there are.
 
         >>> RATES.for_card("L4").gemm_fp32 < RATES.gemm_fp32 == RATES.for_card("RTX 3090").gemm_fp32
         True
+        >>> RATES.for_card("H100 SXM").tf32_matmul < RATES.tf32_matmul == RATES.for_card("A100 40GB").tf32_matmul
+        True
         """
-        measured = dict(self.fp32_matmul_by_card).get(name)
-        return self if measured is None else replace(self, gemm_fp32=measured)
+        fp32 = dict(self.fp32_matmul_by_card).get(name, self.gemm_fp32)
+        tf32 = dict(self.tf32_matmul_by_card).get(name, self.tf32_matmul)
+        if (fp32, tf32) == (self.gemm_fp32, self.tf32_matmul):
+            return self
+        return replace(self, gemm_fp32=fp32, tf32_matmul=tf32)
 
 
 #: the rates the prediction uses. The calibrated fields were fitted by
@@ -366,9 +404,10 @@ def gemm_utilisation(m: float, n: float, k: float, batch: float, sms: int | None
 
 
 def _product_rate(cls: KernelClass, mode: Mode, rates: Rates) -> float:
+    product = cls in (KernelClass.GEMM, KernelClass.ATTENTION)
     if mode == Mode.TF32:
-        base = rates.tf32
-    elif cls in (KernelClass.GEMM, KernelClass.ATTENTION):
+        base = rates.tf32_matmul if product else rates.tf32
+    elif product:
         base = rates.gemm_half if mode == Mode.HALF else rates.gemm_fp32
     else:
         base = rates.conv_half if mode == Mode.HALF else rates.conv_fp32
