@@ -1,6 +1,7 @@
-"""What the scripts that derive memfit's rates from published measurements share: the error
-band of a set of predictions, and the lines where the module's table and the derived rates
-differ (bench/neusight_kernels.py, bench/xla_matmul_table.py)."""
+"""What the scripts that derive memfit's rates from published measurements share
+(bench/neusight_kernels.py, bench/xla_matmul_table.py): the rate that makes a prediction
+exact, the median per card, the error band of a set of predictions, the lines where the
+module's table and the derived rates differ, and the end of their runs."""
 
 from __future__ import annotations
 
@@ -25,6 +26,31 @@ class Band:
     @classmethod
     def of(cls, errors: list[float]) -> Band:
         return cls(len(errors), statistics.median(abs(e) for e in errors), statistics.median(errors))
+
+
+def exact_rate(rate: float, computing: float, moving: float, seconds: float) -> float:
+    """The rate that makes memfit's time for a product exact, where its FLOPs take
+    ``computing`` seconds at ``rate`` and its bytes ``moving`` seconds and it was measured at
+    ``seconds`` (its own: the rest of a measured call taken off): ``rate`` x ``computing`` /
+    ``seconds``, only the FLOPs' time scaling with the rate (a product takes the larger of the
+    two); NaN where no rate can (no FLOPs, or its bytes alone take ``seconds`` or longer).
+
+    >>> import math
+    >>> exact_rate(0.8, 2.0, 0.5, 4.0), math.isnan(exact_rate(0.8, 2.0, 4.0, 4.0))
+    (0.4, True)
+    """
+    if computing <= 0 or seconds <= moving:
+        return float("nan")
+    return rate * computing / seconds
+
+
+def medians(found: Mapping[str, list[float]]) -> dict[str, tuple[float, int]]:
+    """(median, how many) of each name's values, by name.
+
+    >>> medians({"T4": [0.4, 0.5, 0.9], "L4": [0.26]})
+    {'L4': (0.26, 1), 'T4': (0.5, 3)}
+    """
+    return {name: (statistics.median(values), len(values)) for name, values in sorted(found.items())}
 
 
 def differences(table: Mapping[str, float], derived: Mapping[str, float], measured: str) -> list[str]:

@@ -31,7 +31,7 @@ from memfit.estimator.kernel_rates import (
     elements_per_thread,
     streaming_bandwidth,
 )
-from memfit.estimator.timing import OpCounter, predict
+from memfit.estimator.timing import OpCounter, OpTrace, predict
 from memfit.memory.gpus import GPU
 
 #: a case: (name, the rate of Rates it checks, make(device) -> the function to time)
@@ -191,16 +191,24 @@ class _Recording(TorchDispatchMode):
         return out
 
 
-def predicted(case: Case, gpu: GPU) -> tuple[float, float]:
-    """(predicted GPU seconds of one call of the case, of which its class's) on ``gpu``."""
+def record_call(build: Callable[[], Callable[[], Any]]) -> OpTrace:
+    """The operations of one call as memfit records them: ``build`` makes the call's
+    tensors (on fake tensors: nothing is allocated) and returns the call, whose every ATen
+    operation goes to an :class:`OpCounter`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     counter = OpCounter(step=-1)  # operations outside any step carry step -1
     with FakeTensorMode():
-        step = case.make(torch.device("cpu"))
+        call = build()
         with _Recording(counter):
-            step()
-    time = predict(counter.trace(), gpu, 1, tf32_matmul=case.tf32, tf32_conv=case.tf32)
+            call()
+    return counter.trace()
+
+
+def predicted(case: Case, gpu: GPU) -> tuple[float, float]:
+    """(predicted GPU seconds of one call of the case, of which its class's) on ``gpu``."""
+    trace = record_call(lambda: case.make(torch.device("cpu")))
+    time = predict(trace, gpu, 1, tf32_matmul=case.tf32, tf32_conv=case.tf32)
     return sum(time.by_class.values()), time.by_class.get(case.cls.name.lower(), 0.0)
 
 

@@ -41,7 +41,6 @@ import argparse
 import csv
 import functools
 import math
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -52,8 +51,8 @@ from typing import Any
 
 import torch
 
-from _rate_check import Band, differences, finish
-from kernel_bench import _Recording
+from _rate_check import Band, differences, exact_rate, finish, medians
+from kernel_bench import record_call
 from memfit.estimator.kernel_rates import (
     LAYER_NORM_EFFICIENCY,
     MEASURED_FP32_MATMUL,
@@ -62,7 +61,7 @@ from memfit.estimator.kernel_rates import (
     Rates,
     elements_per_thread,
 )
-from memfit.estimator.timing import OpCounter, OpTrace, predict
+from memfit.estimator.timing import OpTrace, predict
 from memfit.memory.gpus import GPU, lookup
 
 #: NeuSight's device names (``torch.cuda.get_device_name()``) -> memfit's GPU table. Its
@@ -183,14 +182,7 @@ def _operation(kernel: Kernel) -> Callable[[], Any]:
 @functools.cache
 def _trace(op: str, dims: tuple[int, ...]) -> OpTrace:
     """The operation as memfit records it (the same on every card)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    counter = OpCounter(step=-1)  # operations outside any step carry step -1
-    with FakeTensorMode():
-        call = _operation(Kernel(op, "", dims, 0.0))
-        with _Recording(counter):
-            call()
-    return counter.trace()
+    return record_call(lambda: _operation(Kernel(op, "", dims, 0.0)))
 
 
 def predicted_seconds(kernel: Kernel, gpu: GPU, rates: Rates = RATES) -> tuple[float, float]:
@@ -212,10 +204,7 @@ def implied_efficiency(kernel: Kernel, gpu: GPU, rates: Rates = RATES) -> float:
     total, gemm = predicted_seconds(kernel, gpu, rates)
     _, computing = predicted_seconds(kernel, gpu, replace(rates, stream=1e6, latency=0.0, layout=1e6))
     _, moving = predicted_seconds(kernel, gpu, replace(rates, gemm_fp32=1e6, fp32_matmul_by_card=()))
-    left = kernel.seconds - (total - gemm)
-    if computing <= 0 or left <= moving:
-        return float("nan")
-    return rates.gemm_fp32 * computing / left
+    return exact_rate(rates.gemm_fp32, computing, moving, kernel.seconds - (total - gemm))
 
 
 def fp32_matmul_efficiencies(kernels: Iterable[Kernel]) -> dict[str, tuple[float, int]]:
@@ -228,7 +217,7 @@ def fp32_matmul_efficiencies(kernels: Iterable[Kernel]) -> dict[str, tuple[float
             efficiency = implied_efficiency(kernel, lookup(kernel.card), rates)
             if not math.isnan(efficiency):
                 found[kernel.card].append(efficiency)
-    return {card: (statistics.median(v), len(v)) for card, v in sorted(found.items())}
+    return medians(found)
 
 
 #: the rate of :class:`~memfit.estimator.kernel_rates.Rates` each streaming operation gives
@@ -245,7 +234,7 @@ def streaming_shares(kernels: Iterable[Kernel]) -> dict[str, tuple[float, int]]:
         if kernel.op in SHARES and kernel.seconds >= SHORTEST_SECONDS:
             total, _ = predicted_seconds(kernel, lookup(kernel.card), full)
             found[SHARES[kernel.op]].append(total / kernel.seconds)
-    return {rate: (statistics.median(v), len(v)) for rate, v in sorted(found.items())}
+    return medians(found)
 
 
 def disagreements(efficiencies: dict[str, tuple[float, int]], shares: dict[str, tuple[float, int]]) -> list[str]:

@@ -38,20 +38,19 @@ import argparse
 import functools
 import math
 import re
-import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from _rate_check import Band, differences, finish
-from kernel_bench import _Recording
+from _rate_check import Band, differences, exact_rate, finish, medians
+from kernel_bench import record_call
 from memfit.estimator.kernel_rates import MEASURED_TF32_MATMUL, RATES, Rates
-from memfit.estimator.timing import OpCounter, OpTrace, predict
+from memfit.estimator.timing import OpTrace, predict
 from memfit.memory.gpus import GPU, lookup
 
 #: XLA's keys for the cards -> memfit's GPU table (see the module for the H100's)
@@ -135,16 +134,14 @@ def read(path: Path) -> list[Product]:
 @functools.cache
 def _trace(mode: str, dims: tuple[int, int, int, int]) -> OpTrace:
     """``torch.bmm`` of the product as memfit records it (the same on every card)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     b, m, n, k = dims
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
-    counter = OpCounter(step=-1)  # operations outside any step carry step -1
-    with FakeTensorMode():
+
+    def build() -> Callable[[], torch.Tensor]:
         x, y = torch.empty(b, m, k, dtype=dtype), torch.empty(b, k, n, dtype=dtype)
-        with _Recording(counter):
-            torch.bmm(x, y)
-    return counter.trace()
+        return lambda: torch.bmm(x, y)
+
+    return record_call(build)
 
 
 def predicted_seconds(product: Product, gpu: GPU, rates: Rates = RATES) -> float:
@@ -163,9 +160,7 @@ def implied_efficiency(product: Product, gpu: GPU, rates: Rates = RATES) -> floa
     rates = rates.for_card(gpu.name)
     computing = predicted_seconds(product, gpu, replace(rates, stream=1e6, latency=0.0))
     moving = predicted_seconds(product, gpu, replace(rates, tf32_matmul=1e6, tf32_matmul_by_card=()))
-    if computing <= 0 or product.seconds <= moving:
-        return float("nan")
-    return rates.tf32_matmul * computing / product.seconds
+    return exact_rate(rates.tf32_matmul, computing, moving, product.seconds)
 
 
 def tf32_efficiencies(products: Iterable[Product]) -> dict[str, tuple[float, int]]:
@@ -178,7 +173,7 @@ def tf32_efficiencies(products: Iterable[Product]) -> dict[str, tuple[float, int
             efficiency = implied_efficiency(product, lookup(product.card), rates)
             if not math.isnan(efficiency):
                 found[product.card].append(efficiency)
-    return {card: (statistics.median(v), len(v)) for card, v in sorted(found.items())}
+    return medians(found)
 
 
 def disagreements(efficiencies: dict[str, tuple[float, int]]) -> list[str]:
