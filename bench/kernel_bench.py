@@ -132,7 +132,9 @@ def cases(gpu: GPU) -> list[Case]:
         Case("matmul 4096^3, fp32", "gemm_fp32", KernelClass.GEMM, _mm(4096, 4096, 4096, torch.float32)),
         Case("conv 3x3 dense, 16-bit NHWC", "conv_half", KernelClass.CONV_DENSE, _conv(1, torch.float16, True)),
         Case("conv 3x3 dense, 16-bit NCHW", "layout", KernelClass.LAYOUT, _conv(1, torch.float16, False)),
-        Case("conv 3x3 dense, tf32 NCHW", "tf32", KernelClass.CONV_DENSE, _conv(1, torch.float32, False), tf32=True),
+        Case(
+            "conv 3x3 dense, tf32 NCHW", "tf32_conv", KernelClass.CONV_DENSE, _conv(1, torch.float32, False), tf32=True
+        ),
         Case("conv 3x3 32 groups, 16-bit NHWC", "grouped", KernelClass.CONV_GROUPED, _conv(32, torch.float16, True)),
         Case(
             "conv 3x3 depthwise, 16-bit NHWC", "depthwise", KernelClass.CONV_DEPTHWISE, _conv(256, torch.float16, True)

@@ -56,7 +56,7 @@ COMMAND = "python bench/predicted_speed.py"
 ACCURACY = Path(__file__).resolve().parent.parent / "src" / "memfit" / "estimator" / FILE
 #: the calibrated fields of Rates and the grid each is searched on
 CALIBRATED = {
-    "tf32": [i / 100 for i in range(10, 96, 2)],
+    "tf32_conv": [i / 100 for i in range(10, 96, 2)],
     "conv_half": [i / 100 for i in range(20, 96, 2)],
     "grouped": [i / 100 for i in range(4, 101, 2)],
     "depthwise": [i / 100 for i in range(4, 86, 2)],
@@ -403,15 +403,9 @@ def against_others(results: list[Result]) -> list[str]:
     ]
 
 
-#: how the docs name a calibrated rate whose field name says less than it holds
-_SHOWN = {"tf32": "tf32 (convolutions)"}
-
-
 def _rates_text(rates: Rates) -> str:
     return ", ".join(
-        f"latency {rates.latency * 1e6:.1f} us"
-        if name == "latency"
-        else f"{_SHOWN.get(name, name)} {getattr(rates, name):.2f}"
+        f"latency {rates.latency * 1e6:.1f} us" if name == "latency" else f"{name} {getattr(rates, name):.2f}"
         for name in CALIBRATED
     )
 

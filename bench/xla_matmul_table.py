@@ -215,7 +215,7 @@ def report(products: list[Product], efficiencies: dict[str, tuple[float, int]], 
     calibrated convolution rate memfit gave tf32 products before (``started``:
     ``time.perf_counter()`` when the run began)."""
     with_table = product_errors(products)
-    before = product_errors(products, replace(RATES, tf32_matmul=RATES.tf32, tf32_matmul_by_card=()))
+    before = product_errors(products, replace(RATES, tf32_matmul=RATES.tf32_conv, tf32_matmul_by_card=()))
     seconds = time.perf_counter() - started
     lines = [
         "## Matrix products: memfit against XLA's measured GEMM table",
@@ -250,7 +250,7 @@ def report(products: list[Product], efficiencies: dict[str, tuple[float, int]], 
         "the tf32 rows 'from 100 GFLOP' are the products the efficiency was taken from (median error near "
         "0 by construction). Products under 10 GFLOP last a few microseconds, where a kernel's fixed costs, "
         "which memfit counts between kernels and not in their time, dominate. 'Before': tf32 products at "
-        f"the calibrated tf32 convolution rate ({RATES.tf32:.2f}), which memfit gave them until this table "
+        f"the calibrated tf32 convolution rate ({RATES.tf32_conv:.2f}), which memfit gave them until this table "
         "was read.",
         "",
         "| card | arithmetic | size | products | memfit | before |",

@@ -91,13 +91,13 @@ def test_tf32_matmuls_take_the_measured_rate_and_tf32_convolutions_the_calibrate
     assert on_a100 == pytest.approx(
         flops / (A100.tf32 * TF32_MATMUL_EFFICIENCY * gemm_utilisation(big, big, big, 1, sm_count(A100)))
     )
-    assert RATES.tf32 != TF32_MATMUL_EFFICIENCY  # not the convolutions' (calibrated) rate
+    assert RATES.tf32_conv != TF32_MATMUL_EFFICIENCY  # not the convolutions' (calibrated) rate
     # a convolution on tf32 keeps the calibrated rate (its time without the transposes)
     conv = OpCounter(step=0)
     shape = Classified(KernelClass.CONV_DENSE, 0, 0, 0, 1)
     conv.add(Kind.CONV, 2 * big**3, 1e6, DType.SINGLE, phase="forward", shape=shape)
     seconds = predict(conv.trace(), A100, 1, tf32_conv=True).by_class["conv_dense"]
-    assert seconds == pytest.approx(2 * big**3 / (A100.tf32 * RATES.tf32))
+    assert seconds == pytest.approx(2 * big**3 / (A100.tf32 * RATES.tf32_conv))
 
 
 def conv_net(groups: int, channels_last: bool) -> Workload:
@@ -275,7 +275,7 @@ def test_a_tf32_convolution_takes_the_faster_of_the_tensor_core_and_the_fp32_ker
     transposes = 2 * 0.5e9 / (A100.bandwidth * RATES.layout)  # fp32: no bytes-in-flight cap on an A100
     heavy = 1e15  # 1 PFLOP: tf32 (145 TFLOP/s) is far ahead of fp32 (16 TFLOP/s)
     assert conv(heavy) == pytest.approx(
-        {"conv_dense": heavy / (A100.tf32 * RATES.tf32), "layout": transposes}, rel=1e-9
+        {"conv_dense": heavy / (A100.tf32 * RATES.tf32_conv), "layout": transposes}, rel=1e-9
     )
     # 10 GFLOP: fp32 takes 0.62 ms, tf32 0.59 ms (its bytes) + 0.85 ms of transposes
     medium = 1e10

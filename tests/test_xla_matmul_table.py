@@ -41,7 +41,7 @@ def test_the_median_of_the_cards_is_every_other_cards_tf32_efficiency() -> None:
     assert RATES.for_card("H100 SXM").tf32_matmul == MEASURED_TF32_MATMUL["H100 SXM"]
     assert RATES.for_card("A100 80GB SXM").tf32_matmul == TF32_MATMUL_EFFICIENCY
     # the convolutions' tf32 rate is another (calibrated) one, on every card
-    assert RATES.for_card("H100 SXM").tf32 == RATES.tf32
+    assert RATES.for_card("H100 SXM").tf32_conv == RATES.tf32_conv
 
 
 def test_the_implied_efficiency_makes_the_prediction_exact(table: ModuleType) -> None:

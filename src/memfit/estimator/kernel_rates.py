@@ -295,11 +295,11 @@ class Rates:
     # Fitted 2026-12-02 on the 10 calibration rows (mean squared log error 0.0009; 0.0058
     # before the bytes-in-flight cap and a tf32 convolution's fp32 alternative, both in
     # memfit.estimator.timing).
-    # Two ended at the edge of their grids (tf32 and conv_half at 0.94): the calibration rows
+    # Two ended at the edge of their grids (tf32_conv and conv_half at 0.94): the calibration rows
     # would have them faster still, which no card's cuDNN reaches; read them as "at least
     # this fast on the RTX 3090 and the A100 SXM", not as measured efficiencies.
     #: tf32 convolutions, dense and grouped (calibrated)
-    tf32: float = 0.94
+    tf32_conv: float = 0.94
     #: dense convolutions in 16 bits (calibrated)
     conv_half: float = 0.94
     #: grouped convolutions, as a fraction of the dense rate of their mode (calibrated)
@@ -406,7 +406,7 @@ def gemm_utilisation(m: float, n: float, k: float, batch: float, sms: int | None
 def _product_rate(cls: KernelClass, mode: Mode, rates: Rates) -> float:
     product = cls in (KernelClass.GEMM, KernelClass.ATTENTION)
     if mode == Mode.TF32:
-        base = rates.tf32_matmul if product else rates.tf32
+        base = rates.tf32_matmul if product else rates.tf32_conv
     elif product:
         base = rates.gemm_half if mode == Mode.HALF else rates.gemm_fp32
     else:
